@@ -1,0 +1,106 @@
+"""``python -m hvd_ray generate ...``: stream a generation to stdout, statistics to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("--model", default="default", help="'default' or a local HF safetensors folder")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--drafter", default="none", help="none | suffix | eagle3 | layerskip | draft-model")
+    g.add_argument("--num-draft-tokens", type=int, default=8)
+    g.add_argument("--draft-model", default=None, help="folder of the draft model (--drafter draft-model)")
+    g.add_argument("--eagle3-head", default=None, help="folder of an EAGLE-3 head (--drafter eagle3)")
+    g.add_argument("--json", action="store_true", help="print the stats line as JSON")
+
+
+def generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .drafters import make_drafter
+    from .engine import Engine, SamplingParams, TextStreamer, trim_at_stop
+    from .model import ModelError, load
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model, tok = load(args.model, args.dtype, args.device)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=args.stop)
+        drafter = make_drafter(args.drafter, model, draft_model=args.draft_model, eagle3_head=args.eagle3_head)
+    except (ModelError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tok(args.prompt)["input_ids"]
+    engine = Engine(model, drafters=[drafter] if drafter else [], max_batch=1,
+                    max_len=min(model.cfg.max_position, len(ids) + args.max_tokens + args.num_draft_tokens + 64),
+                    num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
+                    detokenize=lambda t: tok.decode(t, skip_special_tokens=True))
+    try:
+        req = engine.add_request(ids, params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    streamer = TextStreamer(tok)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            piece = streamer.push(out.new_tokens)
+            cut = trim_at_stop(streamer.text, args.stop)
+            if cut is not None:
+                piece = piece[: max(0, len(piece) - (len(streamer.text) - len(cut)))]
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    sys.stdout.write(streamer.flush() if not args.stop else "")
+    sys.stdout.write("\n")
+    elapsed = time.perf_counter() - t0
+    stats = req.stats.summary(len(req.output))
+    stats.update(tok_per_s=len(req.output) / elapsed if elapsed else 0.0, elapsed_s=elapsed,
+                 prompt_tokens=len(ids), finish_reason=req.finish_reason, drafter=args.drafter)
+    if args.json:
+        print(json.dumps(stats), file=sys.stderr)
+    else:
+        print(f"[{args.drafter}] {stats['generated']} tokens in {elapsed:.2f}s ({stats['tok_per_s']:.1f} tok/s); "
+              f"mean accepted tokens/target forward {stats['mean_accepted_per_forward']:.2f}; "
+              f"target forwards per 1k tokens {stats['forwards_per_1k_tokens']:.0f}; "
+              f"finish={req.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hvd_ray", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    if args.cmd == "generate":
+        return generate(args)
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""Draft sources behind one interface (see base.py)."""
+
+from __future__ import annotations
+
+from .base import Draft, Drafter, DraftRequest
+
+DRAFTERS = ("none", "suffix", "eagle3", "layerskip", "draft-model")
+
+
+def make_drafter(name: str, model, *, draft_model: str | None = None, eagle3_head: str | None = None,
+                 skip: str | None = None, slots: int = 8, max_len: int = 2048, tree: bool = False) -> Drafter | None:
+    """Build the drafter called ``name`` for the target ``model`` (None for plain decoding)."""
+    if name == "none":
+        return None
+    if name == "suffix":
+        from .suffix import SuffixConfig, SuffixDrafter
+
+        return SuffixDrafter(SuffixConfig(use_tree_spec=tree))
+    if name == "layerskip":
+        from .layerskip import LayerSkipDrafter, parse_skip
+
+        return LayerSkipDrafter(model, parse_skip(skip) if skip else None)
+    if name == "draft-model":
+        from .model_drafter import draft_model_drafter
+
+        if not draft_model:
+            raise ValueError("--drafter draft-model needs --draft-model FOLDER (a model sharing the tokenizer)")
+        return draft_model_drafter(draft_model, model, slots=slots, max_len=max_len)
+    if name == "eagle3":
+        from .eagle3 import Eagle3Drafter, Eagle3Head
+
+        if not eagle3_head:
+            raise ValueError("--drafter eagle3 needs --eagle3-head FOLDER (an EAGLE-3 head for this target)")
+        return Eagle3Drafter(model, Eagle3Head.load(eagle3_head, model), tree=tree, slots=slots, max_len=max_len)
+    raise ValueError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
+
+
+__all__ = ["DRAFTERS", "Draft", "DraftRequest", "Drafter", "make_drafter"]

@@ -1,0 +1,87 @@
+"""The one interface every draft source speaks.
+
+A draft is a tree of candidate tokens hanging off the last token of the context. A chain is the
+special case ``parents == [-1, 0, 1, ...]``. Parents always come before their children, so the
+verifier can lay the draft out in the order given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class Draft:
+    """Candidate tokens proposed for one request at one step.
+
+    ``parents[i]`` is the index of token i's parent in ``token_ids``, or -1 when it hangs off the
+    last context token. ``probs[i]`` is the drafter's own probability for token i (the suffix tree's
+    path probability, a model's softmax probability). ``dists`` holds full draft distributions for
+    chain drafts that were *sampled* from a model, which rejection sampling needs; deterministic
+    drafts (greedy, top-k, suffix tree) leave it ``None``.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    score: float = 0.0
+    match_len: int = 0
+    source: str = ""
+    dists: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], probs: Sequence[float] | None = None, **kw) -> "Draft":
+        tokens = list(tokens)
+        probs = list(probs) if probs is not None else [1.0] * len(tokens)
+        return cls(tokens, list(range(-1, len(tokens) - 1)), probs, **kw)
+
+    def truncated(self, n: int) -> "Draft":
+        """The first ``n`` tokens (a prefix in tree order is still a valid tree)."""
+        dists = self.dists[:n] if self.dists is not None else None
+        return Draft(self.token_ids[:n], self.parents[:n], self.probs[:n], self.score,
+                     self.match_len, self.source, dists)
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter is told about one request when asked to draft for it."""
+
+    req_id: str
+    slot: int  # the request's slot in the target's KV cache
+    tokens: list[int]  # prompt + generated so far; the last one is not yet in the target's cache
+    max_tokens: int  # draft budget for this step
+
+
+class Drafter(Protocol):
+    """What the decoding loop needs from a draft source.
+
+    ``begin`` sees the prompt, ``accept`` every token emitted after it (drafters with per-request
+    state stay in sync), ``end`` releases it. ``propose`` drafts for the whole batch at once so model
+    drafters can batch their forwards. Drafters that read the target's hidden states (EAGLE-3) name
+    the layers in ``needs_taps``; the engine then calls ``observe_target(req_id, next_tokens, taps)``
+    after every target forward with ``taps[i]`` (the fused residual streams at one committed
+    position) paired with ``next_tokens[i]`` (the token that follows that position).
+    """
+
+    name: str
+    needs_taps: tuple[int, ...]
+
+    def begin(self, req_id: str, prompt: Sequence[int], slot: int) -> None: ...
+
+    def accept(self, req_id: str, tokens: Sequence[int]) -> None: ...
+
+    def observe_target(self, req_id: str, next_tokens: Sequence[int], taps: torch.Tensor) -> None: ...
+
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]: ...
+
+    def end(self, req_id: str) -> None: ...

@@ -1,0 +1,276 @@
+"""The decoding loop: admit requests into KV-cache slots, then step draft -> verify -> accept.
+
+One ``step()`` advances every running request by one target forward (prefill for new ones, a
+verify forward for the rest). A request with an empty draft is plain decoding, so greedy decoding
+and speculative decoding share this single loop; that is what makes "speculative output equals
+greedy output of the same engine" a meaningful check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from ..drafters.base import Draft, Drafter, DraftRequest
+from ..model.transformer import Transformer
+from ..verification import greedy_accept_tree, rejection_sample_tree, target_probs, tree_attention_mask
+from ..verification.sampling import sample
+from ..verification.tree import tree_depths
+from .request import Request, SamplingParams, StepRecord
+
+Policy = Callable[[Request, "Engine"], Drafter | None]
+
+
+@dataclass
+class StepOutput:
+    """Tokens a request gained in one step (for streaming), and whether it is done."""
+
+    req_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    """Continuous batching over a fixed number of KV-cache slots with pluggable draft sources.
+
+    ``drafters`` are consulted through ``policy`` (default: the first drafter, or none) each step;
+    a drafter sees every request (``begin``/``accept``/``end``) so its state stays current even on
+    steps where another source is chosen.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        drafters: Sequence[Drafter] = (),
+        policy: Policy | None = None,
+        max_batch: int = 8,
+        max_len: int = 2048,
+        num_draft_tokens: int = 8,
+        eos_token_ids: Iterable[int] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+    ):
+        self.model = model
+        self.drafters = list(drafters)
+        self.policy = policy
+        self.num_draft_tokens = num_draft_tokens
+        self.eos = set(eos_token_ids) | set(model.cfg.eos_token_ids)
+        self.detokenize = detokenize
+        if model.cache is None or model.cache.slots < max_batch or model.cache.max_len < max_len:
+            model.setup_cache(max_batch, max_len)
+        self.max_len = model.cache.max_len
+        self.free_slots = deque(range(model.cache.slots))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.taps = tuple(sorted({t for d in self.drafters for t in getattr(d, "needs_taps", ())}))
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                    req_id: str | None = None) -> Request:
+        params = params or SamplingParams()
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) + params.max_tokens + self.num_draft_tokens + 1 > self.max_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context this engine was set up for ({self.max_len} tokens)")
+        req = Request(req_id or f"req-{next(self._ids)}", prompt, params)
+        if not params.greedy:
+            req.generator = torch.Generator(device=self.model.device)
+            req.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req_id: str) -> None:
+        for req in list(self.waiting) + self.running:
+            if req.req_id == req_id and not req.finished:
+                req.finish_reason = "abort"
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------------------------- step
+    def step(self) -> list[StepOutput]:
+        """One target forward per running request; returns what each request gained."""
+        outputs: list[StepOutput] = []
+        self._release(outputs)
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            req.slot = self.free_slots.popleft()
+            self.model.cache.truncate(req.slot, 0)
+            for d in self.drafters:
+                d.begin(req.req_id, req.prompt, req.slot)
+            admitted.append(req)
+        decoding = [r for r in self.running if not r.finished]
+        if decoding:
+            outputs += self._decode(decoding)
+        if admitted:
+            outputs += self._prefill(admitted)
+            self.running += admitted
+        self._release(outputs)
+        return outputs
+
+    def _release(self, outputs: list[StepOutput]) -> None:
+        for req in [r for r in self.running if r.finished]:
+            self.running.remove(req)
+            self.free_slots.append(req.slot)
+            for d in self.drafters:
+                d.end(req.req_id)
+            if req.finish_reason == "abort":
+                outputs.append(StepOutput(req.req_id, [], True, "abort"))
+
+    def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        lens = [len(r.prompt) for r in reqs]
+        T = max(lens)
+        dev = self.model.device
+        toks = torch.tensor([r.prompt + [0] * (T - len(r.prompt)) for r in reqs], device=dev)
+        out = self.model(toks, [r.slot for r in reqs], n_new=lens, taps=self.taps,
+                         logit_rows=None if self.taps else torch.tensor(lens, device=dev) - 1)
+        last = torch.tensor(lens, device=dev) - 1
+        logits = out.logits[torch.arange(len(reqs), device=dev), last] if self.taps else out.logits[:, 0]
+        firsts = self._first_tokens(reqs, logits)
+        dt = time.perf_counter() - t0
+        results = []
+        for b, req in enumerate(reqs):
+            req.stats.prefill_s = dt
+            req.stats.target_forwards += 1
+            if self.taps:
+                fused = torch.cat([t[b, : lens[b]] for t in out.taps], dim=-1)
+                for d in self._tap_drafters():
+                    d.observe_target(req.req_id, req.prompt[1:] + [firsts[b]], fused)
+            results.append(self._emit(req, [firsts[b]]))
+        return results
+
+    def _first_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        if all(r.params.greedy for r in reqs):
+            return logits.argmax(-1).tolist()
+        toks = []
+        for b, r in enumerate(reqs):
+            p = r.params
+            probs = target_probs(logits[b], p.temperature, p.top_k, p.top_p)
+            toks.append(int(sample(probs, r.generator)))
+        return toks
+
+    def _drafts(self, reqs: list[Request]) -> list[Draft]:
+        """Ask each request's chosen draft source for a draft, batching requests per source."""
+        default = self.drafters[0] if self.drafters else None
+        sources = [self.policy(r, self) if self.policy else default for r in reqs]
+        drafts: list[Draft] = [Draft() for _ in reqs]
+        for src in {id(s): s for s in sources if s is not None}.values():
+            idxs = [i for i, s in enumerate(sources) if s is src]
+            asks = []
+            for i in idxs:
+                r = reqs[i]
+                budget = min(self.num_draft_tokens, r.params.max_tokens - len(r.output) - 1,
+                             self.max_len - self.model.cache.lengths[r.slot] - 1)
+                asks.append(DraftRequest(r.req_id, r.slot, r.tokens, max(budget, 0)))
+            for i, ask, d in zip(idxs, asks, src.propose(asks)):
+                drafts[i] = d.truncated(ask.max_tokens)
+        return drafts
+
+    def _decode(self, reqs: list[Request]) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        drafts = self._drafts(reqs)
+        t1 = time.perf_counter()
+        dev = self.model.device
+        B = len(reqs)
+        widths = [1 + len(d) for d in drafts]
+        T = max(widths)
+        starts = [self.model.cache.lengths[r.slot] for r in reqs]
+        toks = torch.tensor([[r.pending] + d.token_ids + [0] * (T - w)
+                             for r, d, w in zip(reqs, drafts, widths)], device=dev)
+        trees = any(not d.is_chain for d in drafts)
+        mask = depths = None
+        if trees:
+            mask = torch.tril(torch.ones(B, T, T, dtype=torch.bool, device=dev))
+            depths = torch.arange(T, device=dev).repeat(B, 1)
+            for b, d in enumerate(drafts):
+                if not d.is_chain:
+                    mask[b, : widths[b], : widths[b]] = tree_attention_mask(d.parents, device=dev)
+                    depths[b, : widths[b]] = torch.tensor(tree_depths(d.parents), device=dev)
+        out = self.model(toks, [r.slot for r in reqs], n_new=widths, depths=depths,
+                         attn_mask=mask, taps=self.taps)
+        logits = out.logits
+        results = []
+        for b, (req, d) in enumerate(zip(reqs, drafts)):
+            rows = logits[b, : widths[b]]
+            p = req.params
+            if p.greedy:
+                path, nxt = greedy_accept_tree(rows, d.token_ids, d.parents)
+            else:
+                probs = target_probs(rows, p.temperature, p.top_k, p.top_p)
+                path, nxt = rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
+            keep = [0] + [i + 1 for i in path]
+            self.model.cache.compact(req.slot, starts[b], keep)
+            emitted = [d.token_ids[i] for i in path] + [nxt]
+            if self.taps:
+                idx = torch.tensor(keep, device=dev)
+                fused = torch.cat([t[b, idx] for t in out.taps], dim=-1)
+                for dr in self._tap_drafters():
+                    dr.observe_target(req.req_id, emitted, fused)
+            req.stats.target_forwards += 1
+            t2 = time.perf_counter()
+            req.stats.steps.append(StepRecord(d.source or "none", len(d), len(path),
+                                              (t1 - t0) / B, (t2 - t1) / B))
+            results.append(self._emit(req, emitted))
+        dt = time.perf_counter() - t0
+        for r in reqs:
+            r.stats.decode_s += dt
+        return results
+
+    def _tap_drafters(self) -> list[Drafter]:
+        return [d for d in self.drafters if getattr(d, "needs_taps", ())]
+
+    def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
+        """Append tokens to the output, cutting at EOS / stop tokens / stop strings / max_tokens."""
+        p = req.params
+        kept: list[int] = []
+        for tok in tokens:
+            if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+                req.finish_reason = "stop"
+                break
+            kept.append(tok)
+            if len(req.output) + len(kept) >= p.max_tokens:
+                req.finish_reason = "length"
+                break
+        req.output += kept
+        if p.stop and self.detokenize and not req.finished:
+            text = self.detokenize(req.output[-(len(kept) + 32):])
+            if any(s in text for s in p.stop):
+                req.finish_reason = "stop"
+        if not req.finished:
+            req.pending = req.output[-1]
+            for d in self.drafters:
+                d.accept(req.req_id, kept)
+        return StepOutput(req.req_id, kept, req.finished, req.finish_reason)
+
+    # ----------------------------------------------------------------------------- helpers
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[Request]:
+        """Run ``prompts`` to completion (batched up to the slot count) and return the requests."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_unfinished():
+            self.step()
+        return reqs
+
+    def stream(self, prompt: Sequence[int], params: SamplingParams | None = None) -> Iterator[list[int]]:
+        """Yield the tokens of one request as they are produced."""
+        req = self.add_request(prompt, params)
+        while not req.finished:
+            for out in self.step():
+                if out.req_id == req.req_id and out.new_tokens:
+                    yield out.new_tokens
+        while self.has_unfinished():
+            self.step()

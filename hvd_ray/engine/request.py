@@ -1,0 +1,92 @@
+"""Per-request state: sampling parameters, tokens so far, and the figures we report per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters of one request (OpenAI semantics where they overlap)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class StepRecord:
+    """One decoding step of one request: what was drafted, what survived, what it cost."""
+
+    source: str
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    predicted: float | None = None  # the yield predictor's estimate, when a policy used one
+
+
+@dataclass
+class RequestStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    target_forwards: int = 0  # prefill included
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def summary(self, generated: int) -> dict:
+        decode_tokens = sum(s.accepted + 1 for s in self.steps)
+        n = len(self.steps)
+        return {
+            "generated": generated,
+            "target_forwards": self.target_forwards,
+            "mean_accepted_per_forward": decode_tokens / n if n else 0.0,
+            "forwards_per_1k_tokens": 1000.0 * self.target_forwards / generated if generated else 0.0,
+            "drafted": sum(s.drafted for s in self.steps),
+            "accepted": sum(s.accepted for s in self.steps),
+            "draft_s": sum(s.draft_s for s in self.steps),
+            "verify_s": sum(s.verify_s for s in self.steps),
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+        }
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    slot: int = -1
+    output: list[int] = field(default_factory=list)
+    pending: int | None = None  # last emitted token, not yet in the target's KV cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    generator: torch.Generator | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output

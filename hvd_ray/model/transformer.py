@@ -1,0 +1,409 @@
+"""A compact Llama / Qwen2 / Qwen3 decoder on Hugging Face weights, built for speculative decoding.
+
+One file in the spirit of gpt-fast. What a speculative engine needs beyond a plain model:
+
+* a preallocated KV cache with one *slot* per sequence and explicit per-slot lengths, so a forward
+  can score several new tokens at once and a rollback is just ``lengths[slot] = n`` (O(1));
+* an optional attention mask over the new tokens (tree drafts) on top of the cached prefix;
+* a routing mask that skips whole layers or only their attention / MLP sub-layer (a "slim" view
+  that shares every weight: layer-skip drafting and the VIA-SD slim verifier);
+* hidden-state taps (the residual stream after chosen layers, for EAGLE-3 heads);
+* batches of sequences of different lengths in one forward.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .registry import ModelError, check_folder
+
+SubLayer = tuple[int, str]  # (layer index, "attn" | "mlp")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    max_position: int = 8192
+    rope_scaling: dict | None = None
+    arch: str = "LlamaForCausalLM"
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        n_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            intermediate_size=cfg["intermediate_size"],
+            rope_theta=float(theta),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            max_position=cfg.get("max_position_embeddings", 8192),
+            rope_scaling=scaling,
+            arch=arch,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+
+def rope_tables(cfg: ModelConfig, length: int) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [length, head_dim] in fp32 (HF's rotate-half convention)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    sc = cfg.rope_scaling
+    if sc:
+        kind = sc.get("rope_type", sc.get("type"))
+        if kind == "linear":
+            inv = inv / sc["factor"]
+        elif kind == "llama3":
+            low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+            old = sc.get("original_max_position_embeddings", 8192)
+            wavelen = 2 * math.pi / inv
+            smooth = (old / wavelen - low) / (high - low)
+            scaled = torch.where(wavelen > old / low, inv / sc["factor"], inv)
+            mid = (wavelen <= old / low) & (wavelen >= old / high)
+            inv = torch.where(mid, (1 - smooth) * inv / sc["factor"] + smooth * inv, scaled)
+        else:
+            raise ModelError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    freqs = torch.outer(torch.arange(length, dtype=torch.float64), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos/sin [B, T, 1, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 like HF, so bf16 results track the reference implementation.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, ctx: "_StepContext", layer: int) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        q = q.view(B, T, self.n_heads, self.hd)
+        k = k.view(B, T, self.n_kv, self.hd)
+        v = v.view(B, T, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        kc, vc = ctx.cache.k[layer], ctx.cache.v[layer]
+        if ctx.contiguous is not None:  # one sequence: plain slice writes and views, no gathers
+            slot, start = ctx.contiguous
+            kc[slot, start : start + T] = k[0]
+            vc[slot, start : start + T] = v[0]
+            keys, vals = kc[slot : slot + 1, : ctx.span], vc[slot : slot + 1, : ctx.span]
+        else:
+            kc.index_put_((ctx.slot_idx, ctx.write_pos), k)
+            vc.index_put_((ctx.slot_idx, ctx.write_pos), v)
+            keys, vals = kc[ctx.slots_t, : ctx.span], vc[ctx.slots_t, : ctx.span]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+            attn_mask=ctx.mask, enable_gqa=self.n_heads != self.n_kv,
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate ++ up
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.inter, -1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class KVCache:
+    """Per-layer K/V tensors ``[slots, max_len, kv_heads, head_dim]`` plus per-slot lengths.
+
+    ``lengths`` is a plain Python list: the engine reads and writes it every step, and list access
+    is far cheaper than touching a tensor. Entries past ``lengths[slot]`` are garbage by contract.
+    """
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (slots, max_len, cfg.n_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.lengths = [0] * slots
+        self.max_len = max_len
+
+    @property
+    def slots(self) -> int:
+        return len(self.lengths)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll back a slot to an earlier length (drops rejected draft tokens)."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
+        self.lengths[slot] = length
+
+    def compact(self, slot: int, start: int, keep: Sequence[int]) -> None:
+        """Move entries at ``start + keep[i]`` to ``start + i`` and set the length to ``start + len(keep)``.
+
+        Used after tree verification: the accepted path is scattered through the draft's cache
+        positions and must become contiguous. ``keep`` is increasing, so a gather-then-write is safe.
+        """
+        n = len(keep)
+        if list(keep) != list(range(n)):
+            src = torch.tensor(keep, device=self.k[0].device) + start
+            for kc, vc in zip(self.k, self.v):
+                kc[slot, start : start + n] = kc[slot, src]
+                vc[slot, start : start + n] = vc[slot, src]
+        self.lengths[slot] = start + n
+
+
+@dataclass
+class _StepContext:
+    cache: KVCache
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor | None
+    span: int
+    contiguous: tuple[int, int] | None
+    slots_t: Tensor | None = None
+    slot_idx: Tensor | None = None
+    write_pos: Tensor | None = None
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor  # [B, T, V] (or [B, 1, V] with last_only)
+    taps: list[Tensor]  # residual stream after each requested layer, [B, T, dim]
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.cache: KVCache | None = None
+        self._rope_len = 0
+
+    # ----------------------------------------------------------------------------------- setup
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def setup_cache(self, slots: int, max_len: int) -> KVCache:
+        """Allocate the KV cache (and RoPE tables) for ``slots`` sequences of up to ``max_len`` tokens."""
+        if max_len > self.cfg.max_position:
+            raise ValueError(f"max_len {max_len} exceeds the model's context ({self.cfg.max_position})")
+        self.cache = KVCache(self.cfg, slots, max_len, self.dtype, self.device)
+        if self._rope_len < max_len:
+            cos, sin = rope_tables(self.cfg, max_len)
+            self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
+            self._rope_len = max_len
+        return self.cache
+
+    # --------------------------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        slots: Sequence[int],
+        *,
+        n_new: Sequence[int] | None = None,
+        depths: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        skip: Iterable[SubLayer] | None = None,
+        taps: Sequence[int] = (),
+        last_only: bool = False,
+        logit_rows: Tensor | None = None,
+    ) -> ForwardOutput:
+        """Score ``tokens [B, T]`` appended to the cached prefix of ``slots[b]``; advance the lengths.
+
+        ``n_new[b]`` (default T) is how many of row b's tokens are real; the rest is padding that is
+        written past the slot's length and never attended to. ``depths [B, T]`` gives RoPE offsets
+        from the slot length (default ``0..T-1``; tree drafts pass node depths). ``attn_mask
+        [B, T, T]`` says which new tokens each new token sees (default causal). ``skip`` lists
+        ``(layer, "attn"|"mlp")`` sub-layers to bypass. ``logit_rows [B]`` picks one row per sequence
+        for the LM head (prefill needs only the last), as does ``last_only``.
+        """
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("call setup_cache() before forward()")
+        B, T = tokens.shape
+        dev = tokens.device
+        starts = [cache.lengths[s] for s in slots]
+        n_new = [T] * B if n_new is None else list(n_new)
+        if max(starts) + T > cache.max_len:
+            raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
+        span = max(starts) + T
+
+        start_t = torch.tensor(starts, device=dev)
+        offs = torch.arange(T, device=dev).expand(B, T) if depths is None else depths
+        pos = start_t[:, None] + offs
+        cos = self.rope_cos[pos].unsqueeze(2)
+        sin = self.rope_sin[pos].unsqueeze(2)
+
+        contiguous = (slots[0], starts[0]) if B == 1 else None
+        mask = None
+        if attn_mask is not None or T > 1 or B > 1:
+            kpos = torch.arange(span, device=dev)
+            rel = kpos[None, :] - start_t[:, None]  # [B, S]: key position relative to the new tokens
+            if attn_mask is None:
+                new = rel[:, None, :] <= torch.arange(T, device=dev)[None, :, None]  # causal
+            else:
+                # A token always sees itself, so no row is fully masked (that would give NaNs).
+                own = attn_mask.to(dev) | torch.eye(T, dtype=torch.bool, device=dev)
+                new = own.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, span))
+            mask = ((rel < 0)[:, None, :] | (new & (rel < T)[:, None, :])).unsqueeze(1)
+        ctx = _StepContext(cache, cos, sin, mask, span, contiguous)
+        if contiguous is None:
+            ctx.slots_t = torch.tensor(list(slots), device=dev)
+            ctx.slot_idx = ctx.slots_t[:, None].expand(B, T)
+            ctx.write_pos = start_t[:, None] + torch.arange(T, device=dev)
+
+        skipped = set(skip or ())
+        tap_set = set(taps)
+        tapped: dict[int, Tensor] = {}
+        h = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            if (i, "attn") not in skipped:
+                h = h + layer.attn(layer.attn_norm(h), ctx, i)
+            if (i, "mlp") not in skipped:
+                h = h + layer.mlp(layer.mlp_norm(h))
+            if i in tap_set:
+                tapped[i] = h
+        for b, s in enumerate(slots):
+            cache.lengths[s] = starts[b] + n_new[b]
+
+        if logit_rows is not None:
+            h = h[torch.arange(B, device=dev), logit_rows].unsqueeze(1)
+        elif last_only:
+            h = h[:, -1:]
+        logits = self.output(self.norm(h))
+        return ForwardOutput(logits, [tapped[i] for i in taps])
+
+    # ----------------------------------------------------------------------------------- load
+    @classmethod
+    def from_pretrained(
+        cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    ) -> "Transformer":
+        """Load a Hugging Face Llama / Qwen2 / Qwen3 safetensors folder."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        cfg = ModelConfig.from_hf(check_folder(folder))
+        with torch.device("meta"):
+            model = cls(cfg)
+        state: dict[str, Tensor] = {}
+        for f in sorted(glob.glob(str(folder / "*.safetensors"))):
+            try:
+                state.update(load_file(f))
+            except Exception as e:  # safetensors raises its own error types for truncated files
+                raise ModelError(f"cannot read weights {f}: {e}") from e
+        model.load_state_dict(convert_hf_state_dict(state, cfg), assign=True, strict=True)
+        if cfg.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Rename HF tensors to ours, fusing q/k/v and gate/up (fewer, larger matmuls per step)."""
+    out: dict[str, Tensor] = {}
+
+    def take(name: str) -> Tensor:
+        try:
+            return sd.pop(name)
+        except KeyError:
+            raise ModelError(f"weight {name} is missing from the checkpoint") from None
+
+    out["tok_embeddings.weight"] = take("model.embed_tokens.weight")
+    out["norm.weight"] = take("model.norm.weight")
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+        out["output.weight"] = out["tok_embeddings.weight"]
+    else:
+        out["output.weight"] = take("lm_head.weight")
+    for i in range(cfg.n_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        att = p + "self_attn."
+        out[q + "attn.wqkv.weight"] = torch.cat([take(att + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            out[q + "attn.wqkv.bias"] = torch.cat([take(att + f"{n}_proj.bias") for n in "qkv"])
+        out[q + "attn.wo.weight"] = take(att + "o_proj.weight")
+        if cfg.qk_norm:
+            out[q + "attn.q_norm.weight"] = take(att + "q_norm.weight")
+            out[q + "attn.k_norm.weight"] = take(att + "k_norm.weight")
+        out[q + "mlp.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[q + "mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
+        out[q + "attn_norm.weight"] = take(p + "input_layernorm.weight")
+        out[q + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+    leftovers = [k for k in sd if "rotary_emb" not in k]
+    if leftovers:
+        raise ModelError(f"unexpected weights in checkpoint: {leftovers[:5]}")
+    return out
+
+
+def load_hf_config(folder: str | Path) -> ModelConfig:
+    return ModelConfig.from_hf(json.loads((Path(folder) / "config.json").read_text()))

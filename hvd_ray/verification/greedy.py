@@ -1,0 +1,78 @@
+"""Greedy verification: keep the draft tokens the target would have picked itself.
+
+``target_logits[j]`` is the target's distribution for the token that follows node j (node 0 = last
+context token, node i+1 = draft token i). Argmax ties resolve like ``torch.argmax`` (first maximum),
+so the result is token-identical to plain greedy decoding with the same logits.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .tree import tree_children
+
+
+def _as_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+
+
+def greedy_accept_chain(target_logits: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor
+                        ) -> tuple[int, int]:
+    """Longest prefix with ``draft[i] == argmax(logits[i])``; bonus = argmax after that prefix.
+
+    ``target_logits`` is ``[n+1, V]``. Returns ``(num_accepted, bonus_token)``; the step emits
+    ``draft[:num_accepted] + [bonus_token]``.
+    """
+    draft = _as_list(draft_tokens)
+    if target_logits.shape[0] != len(draft) + 1:
+        raise ValueError(f"need {len(draft) + 1} logit rows, got {target_logits.shape[0]}")
+    best = target_logits.argmax(-1).tolist()
+    k = 0
+    while k < len(draft) and draft[k] == best[k]:
+        k += 1
+    return k, best[k]
+
+
+def greedy_accept_chain_batch(target_logits: torch.Tensor, drafts: torch.Tensor,
+                              draft_lens: torch.Tensor | Sequence[int]
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched ``greedy_accept_chain`` without a Python loop or a host sync.
+
+    ``target_logits`` ``[B, K+1, V]``, ``drafts`` ``[B, K]`` padded (padding is never accepted),
+    ``draft_lens`` ``[B]``. Returns ``(accepted [B], bonus [B])`` as long tensors on the logits'
+    device.
+    """
+    B, K1, _ = target_logits.shape
+    K = K1 - 1
+    drafts = drafts.to(target_logits.device).reshape(B, K)
+    lens = torch.as_tensor(draft_lens, device=target_logits.device).reshape(B)
+    best = target_logits.argmax(-1)                                   # [B, K+1]
+    valid = torch.arange(K, device=best.device) < lens[:, None]
+    matches = (best[:, :K] == drafts) & valid                         # [B, K]
+    accepted = matches.long().cumprod(1).sum(1)                       # [B]
+    bonus = best.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, bonus
+
+
+def greedy_accept_tree(target_logits: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor,
+                       parents: Sequence[int]) -> tuple[list[int], int]:
+    """Follow, from the root, the child whose token is the target's argmax at the current node.
+
+    Returns ``(accepted_nodes, bonus_token)`` where ``accepted_nodes`` are draft indices along the
+    accepted path, root side first. With duplicate sibling tokens the first one in draft order wins.
+    """
+    draft = _as_list(draft_tokens)
+    if len(parents) != len(draft) or target_logits.shape[0] != len(draft) + 1:
+        raise ValueError("need len(parents) == len(draft) and len(draft) + 1 logit rows")
+    best = target_logits.argmax(-1).tolist()
+    children = tree_children(parents)
+    path: list[int] = []
+    node = 0
+    while True:
+        nxt = next((c for c in children[node] if draft[c] == best[node]), None)
+        if nxt is None:
+            return path, best[node]
+        path.append(nxt)
+        node = nxt + 1

@@ -1,0 +1,33 @@
+"""Prompt sets: packaged datasets (BFCL, HumanEval, MT-Bench), users' files, splits, rendering."""
+
+from .datasets import (
+    BFCL_MULTI_TURN,
+    BFCL_SINGLE_TURN,
+    INSTALL_COMMAND,
+    DatasetNotInstalledError,
+    load_bfcl,
+    load_bfcl_multi_turn,
+    load_humaneval,
+    load_mtbench,
+    load_workload,
+)
+from .prompts import SPLITS, WORKLOADS, Prompt, render, split_of
+from .user_prompts import load_user_prompts
+
+__all__ = [
+    "BFCL_MULTI_TURN",
+    "BFCL_SINGLE_TURN",
+    "INSTALL_COMMAND",
+    "SPLITS",
+    "WORKLOADS",
+    "DatasetNotInstalledError",
+    "Prompt",
+    "load_bfcl",
+    "load_bfcl_multi_turn",
+    "load_humaneval",
+    "load_mtbench",
+    "load_user_prompts",
+    "load_workload",
+    "render",
+    "split_of",
+]

@@ -1,0 +1,179 @@
+"""The own transformer against transformers' reference, and its cache / mask / batch invariants (fp32)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hvd_ray.model.registry import ModelError, check_folder, resolve
+from hvd_ray.model.transformer import Transformer
+
+ATOL = 1e-4
+
+
+def load_pair(folder):
+    ours = Transformer.from_pretrained(folder, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return ours, ref
+
+
+def ours_logits(model, ids, slot=0):
+    model.cache.truncate(slot, 0)
+    return model(torch.tensor([ids]), [slot]).logits[0]
+
+
+def test_logits_match_transformers(tiny_folder):
+    ours, ref = load_pair(tiny_folder)
+    ours.setup_cache(2, 128)
+    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    got = ours_logits(ours, ids)
+    assert (got - want).abs().max().item() <= ATOL
+
+
+def test_taps_are_the_residual_stream(tiny_folder):
+    ours, ref = load_pair(tiny_folder)
+    ours.setup_cache(1, 64)
+    ids = list(range(3, 23))
+    with torch.no_grad():
+        hs = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    out = ours(torch.tensor([ids]), [0], taps=(0, 2))
+    assert (out.taps[0][0] - hs[1][0]).abs().max() <= ATOL
+    assert (out.taps[1][0] - hs[3][0]).abs().max() <= ATOL
+
+
+def test_multi_token_forward_and_rollback_equal_step_by_step(tiny_llama):
+    model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
+    model.setup_cache(1, 128)
+    ids = list(range(5, 35))
+    full = ours_logits(model, ids)
+    # prefix, then one token at a time
+    model.cache.truncate(0, 0)
+    step = [model(torch.tensor([ids[:10]]), [0]).logits[0]]
+    for t in ids[10:]:
+        step.append(model(torch.tensor([[t]]), [0]).logits[0])
+    assert (torch.cat(step) - full).abs().max() <= ATOL
+    # a wrong 6-token chunk, rolled back, then the right tokens
+    model.cache.truncate(0, 20)
+    model(torch.tensor([[1, 2, 3, 4, 5, 6]]), [0])
+    assert model.cache.lengths[0] == 26
+    model.cache.truncate(0, 20)
+    again = model(torch.tensor([ids[20:]]), [0]).logits[0]
+    assert (again - full[20:]).abs().max() <= ATOL
+    with pytest.raises(ValueError):
+        model.cache.truncate(0, 99)
+
+
+def test_batched_forward_equals_per_sequence(tiny_folder):
+    model = Transformer.from_pretrained(tiny_folder, dtype=torch.float32)
+    model.setup_cache(4, 128)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 19, 12)]
+    alone = [ours_logits(model, s, slot=3) for s in seqs]
+    # batched prefill with padding, slots 0..2
+    T = max(map(len, seqs))
+    toks = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
+    for s in range(3):
+        model.cache.truncate(s, 0)
+    out = model(toks, [0, 1, 2], n_new=[len(s) for s in seqs]).logits
+    for b, s in enumerate(seqs):
+        assert (out[b, : len(s)] - alone[b]).abs().max() <= ATOL
+        assert model.cache.lengths[b] == len(s)
+    # then a batched decode step of different widths from different lengths
+    nxt = [[11, 12, 13], [14], [15, 16]]
+    toks = torch.tensor([n + [0] * (3 - len(n)) for n in nxt])
+    out = model(toks, [0, 1, 2], n_new=[len(n) for n in nxt]).logits
+    for b, s in enumerate(seqs):
+        ref = ours_logits(model, s + nxt[b], slot=3)
+        assert (out[b, : len(nxt[b])] - ref[len(s):]).abs().max() <= ATOL
+
+
+def test_tree_mask_equals_each_branch_alone(tiny_llama):
+    model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
+    model.setup_cache(2, 128)
+    prefix = list(range(10, 30))
+    # tree over new tokens: 0 root(last token) -> 1 -> 2 ; 0 -> 3 -> 4 ; 1 -> 5
+    tokens = [40, 41, 42, 43, 44, 45]
+    parents = [-1, 0, 1, 0, 3, 1]
+    depth = [0, 1, 2, 1, 2, 2]
+    mask = torch.zeros(6, 6, dtype=torch.bool)
+    for i in range(6):
+        j = i
+        while j != -1:
+            mask[i, j] = True
+            j = parents[j]
+    model.cache.truncate(0, 0)
+    model(torch.tensor([prefix]), [0])
+    out = model(torch.tensor([tokens]), [0], depths=torch.tensor([depth]), attn_mask=mask[None]).logits[0]
+    for i in range(6):
+        path, j = [], i
+        while j != -1:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        ref = ours_logits(model, prefix + path, slot=1)[-1]
+        assert (out[i] - ref).abs().max() <= ATOL
+    # compaction: keep branch 0 -> 3 -> 4 and continue as if it had been a chain
+    model.cache.compact(0, len(prefix), [0, 3, 4])
+    assert model.cache.lengths[0] == len(prefix) + 3
+    nxt = model(torch.tensor([[7]]), [0]).logits[0, -1]
+    ref = ours_logits(model, prefix + [40, 43, 44, 7], slot=1)[-1]
+    assert (nxt - ref).abs().max() <= ATOL
+
+
+def test_slim_forward_empty_mask_and_dropped_blocks(tiny_folder):
+    ours, ref = load_pair(tiny_folder)
+    ours.setup_cache(1, 64)
+    ids = list(range(4, 24))
+    full = ours_logits(ours, ids)
+    ours.cache.truncate(0, 0)
+    assert torch.equal(ours(torch.tensor([ids]), [0], skip=[]).logits[0], full)
+    skip = [(1, "attn"), (2, "mlp"), (3, "attn"), (3, "mlp")]
+    dropped = copy.deepcopy(ref)
+    with torch.no_grad():  # reference: zero each skipped sub-layer's output projection
+        for layer, part in skip:
+            blk = dropped.model.layers[layer]
+            (blk.self_attn.o_proj if part == "attn" else blk.mlp.down_proj).weight.zero_()
+        want = dropped(torch.tensor([ids])).logits[0]
+    ours.cache.truncate(0, 0)
+    got = ours(torch.tensor([ids]), [0], skip=skip).logits[0]
+    assert (got - want).abs().max() <= ATOL
+    assert (got - full).abs().max() > 1e-3  # the mask really changed something
+
+
+def test_bad_folders_give_clear_errors(tmp_path, tiny_llama):
+    with pytest.raises(ModelError, match="neither a known name"):
+        resolve(tmp_path / "nope")
+    with pytest.raises(ModelError, match="no config.json"):
+        check_folder(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        check_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelError, match="not supported"):
+        check_folder(tmp_path)
+    bad = tmp_path / "corrupt"
+    bad.mkdir()
+    (bad / "config.json").write_text((tiny_llama / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(ModelError, match="cannot read weights"):
+        Transformer.from_pretrained(bad)
+
+
+@pytest.mark.slow
+def test_default_model_logits_match_transformers(default_folder):
+    ours, ref = load_pair(default_folder)
+    assert ours.cfg.n_layers == 30 and ours.cfg.dim == 576 and ours.cfg.vocab_size == 49152
+    ours.setup_cache(1, 256)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_folder)
+    ids = tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    got = ours_logits(ours, ids)
+    assert (got - want).abs().max().item() <= ATOL

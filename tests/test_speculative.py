@@ -1,0 +1,119 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy output of the same engine (fp32,
+real model, real prompts), and speculative sampling preserves the target distribution."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import make_tiny
+from hvd_ray.drafters import make_drafter
+from hvd_ray.drafters.eagle3 import Eagle3Drafter, Eagle3Head
+from hvd_ray.drafters.layerskip import LayerSkipDrafter
+from hvd_ray.drafters.model_drafter import draft_model_drafter
+from hvd_ray.drafters.suffix import SuffixDrafter
+from hvd_ray.engine import Engine, SamplingParams
+from hvd_ray.model import load
+from hvd_ray.model.transformer import Transformer
+from hvd_ray.workloads import load_workload, render
+
+MAX_NEW = 24
+MAX_PROMPT = 600
+
+
+@pytest.fixture(scope="module")
+def target(default_folder):
+    return load(str(default_folder), "float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    _, tok = target
+    out = []
+    for w in ("code", "chat", "function_calling"):
+        taken = 0
+        for p in load_workload(w, split="test"):
+            ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]
+            if len(ids) <= MAX_PROMPT:
+                out.append(ids)
+                taken += 1
+            if taken == 7:
+                break
+    assert len(out) >= 20
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    model, _ = target
+    reqs = Engine(model, max_batch=4, max_len=1024).generate(prompts, SamplingParams(max_tokens=MAX_NEW))
+    return [r.output for r in reqs]
+
+
+def drafter_for(name, model, tmp_path_factory):
+    if name == "eagle3":
+        return Eagle3Drafter(model, Eagle3Head.from_target(model, draft_vocab_size=8192, seed=0, dtype=torch.float32),
+                             tree=False)
+    if name == "eagle3-tree":
+        return Eagle3Drafter(model, Eagle3Head.from_target(model, draft_vocab_size=8192, seed=0, dtype=torch.float32),
+                             tree=True, top_k=3, depth=4, max_nodes=12)
+    if name == "draft-model":
+        folder = make_tiny("llama", tmp_path_factory.mktemp("draft"), vocab_size=model.cfg.vocab_size)
+        return draft_model_drafter(str(folder), model, slots=4, max_len=1024)
+    if name == "suffix-tree":
+        return make_drafter("suffix", model, tree=True)
+    return make_drafter(name, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["suffix", "suffix-tree", "layerskip", "draft-model", "eagle3", "eagle3-tree"])
+def test_greedy_speculative_is_token_identical(name, target, prompts, plain, tmp_path_factory):
+    model, _ = target
+    drafter = drafter_for(name, model, tmp_path_factory)
+    params = SamplingParams(max_tokens=MAX_NEW)
+    # batch 4 over all prompts
+    engine = Engine(model, drafters=[drafter], max_batch=4, max_len=1024, num_draft_tokens=6)
+    reqs = engine.generate(prompts, params)
+    assert [r.output for r in reqs] == plain
+    steps = [s for r in reqs for s in r.stats.steps]
+    assert sum(s.drafted for s in steps) > 0  # the drafter really drafted
+    # batch 1 on a few prompts
+    engine = Engine(model, drafters=[drafter], max_batch=1, max_len=1024, num_draft_tokens=6)
+    for ids, want in list(zip(prompts, plain))[::7]:
+        assert engine.generate([ids], params)[0].output == want
+
+
+def test_speculative_sampling_preserves_the_distribution(tmp_path):
+    """Chi-square on the 2nd emitted token's marginal: spec sampling vs the exact target marginal."""
+    folder = make_tiny("llama", tmp_path / "m", vocab_size=12, seed=5)
+    model = Transformer.from_pretrained(folder, dtype=torch.float32)
+    model.setup_cache(8, 64)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    T = 1.0
+    # exact marginal of the 2nd generated token: sum_a p(a | prompt) p(b | prompt, a)
+    with torch.no_grad():
+        model.cache.truncate(0, 0)
+        p1 = model(torch.tensor([prompt]), [0]).logits[0, -1].div(T).softmax(-1)
+        exact = torch.zeros(12)
+        for a in range(12):
+            model.cache.truncate(0, 0)
+            exact += p1[a] * model(torch.tensor([prompt + [a]]), [0]).logits[0, -1].div(T).softmax(-1)
+    for drafter in (SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn"), (2, "mlp")])):
+        engine = Engine(model, drafters=[drafter], max_batch=8, max_len=64, num_draft_tokens=4)
+        n = 3000
+        reqs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=T, seed=s, ignore_eos=True)
+                                              for s in range(n)])
+        assert sum(s.accepted for r in reqs for s in r.stats.steps) > 100  # drafts were really accepted
+        counts = collections.Counter(r.output[1] for r in reqs)
+        obs = [counts.get(v, 0) for v in range(12)]
+        exp = (exact * n).tolist()
+        keep = [i for i, e in enumerate(exp) if e >= 5]
+        other_o, other_e = sum(obs) - sum(obs[i] for i in keep), n - sum(exp[i] for i in keep)
+        stat = chisquare([obs[i] for i in keep] + [other_o], [exp[i] for i in keep] + [other_e])
+        assert stat.pvalue > 1e-3, (drafter.name, obs, exp)
+        # negative control: the greedy-only outputs are far from the target distribution
+        greedy_b = int(exact.argmax())
+        assert counts[greedy_b] < n * 0.95
