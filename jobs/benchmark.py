@@ -66,15 +66,22 @@ def bench_engine(args) -> str:
 
     model, tok = load("default", "bfloat16")
     ref = AutoModelForCausalLM.from_pretrained(resolve("default"), dtype=torch.bfloat16).eval()
-    prompts = [ids for _, _, ids in prompt_ids(tok, ("chat", "code", "function_calling"), 3 if args.quick else 4, 400)]
+    # 8 held-out prompts: each alone (batch 1) and all together (batch 8), so the two
+    # throughputs cover exactly the same work
+    prompts = [ids for _, _, ids in prompt_ids(tok, ("chat", "code", "function_calling"), 3, 400)][:8]
     new = args.max_tokens
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     engine = Engine(model, max_batch=8, max_len=1024)
 
+    decode_rate = {"b1": [], "b8": []}  # tokens after the first / decode time (prefill excluded)
+
     def ours(batch):
         t0 = time.perf_counter()
         reqs = engine.generate(batch, params)
-        return sum(len(r.output) for r in reqs) / (time.perf_counter() - t0)
+        rate = sum(len(r.output) for r in reqs) / (time.perf_counter() - t0)
+        decode_rate["b1" if len(batch) == 1 else "b8"].append(
+            sum(len(r.output) - 1 for r in reqs) / max(r.stats.decode_s for r in reqs))
+        return rate
 
     def hf(batch):
         L = max(map(len, batch))
@@ -87,15 +94,14 @@ def bench_engine(args) -> str:
         return (out.shape[1] - L) * len(batch) / (time.perf_counter() - t0)
 
     ours([prompts[0]]), hf([prompts[0]])  # warm-up
-    b1 = {"ours": [], "hf": []}
-    for p in prompts:  # interleaved A B
-        b1["ours"].append(ours([p]))
-        b1["hf"].append(hf([p]))
-    b8 = {"ours": [], "hf": []}
-    batch = (prompts * 8)[:8]
-    for _ in range(args.reps):
-        b8["ours"].append(ours(batch))
-        b8["hf"].append(hf(batch))
+    b1 = {"ours": [], "hf": []}  # per repetition: throughput of the 8 prompts run one at a time
+    b8 = {"ours": [], "hf": []}  # per repetition: throughput of the 8 prompts run together
+    for _ in range(args.reps):  # interleaved A B A B
+        for name, fn in (("ours", ours), ("hf", hf)):
+            rates = [fn([p]) for p in prompts]
+            b1[name].append(len(prompts) / sum(1 / r for r in rates))  # total tokens / total time
+        b8["ours"].append(ours(prompts))
+        b8["hf"].append(hf(prompts))
 
     # k-token verify cost with a ~300-token prefix
     model.setup_cache(1, 1024)
@@ -118,14 +124,18 @@ def bench_engine(args) -> str:
         f"Command: `python jobs/benchmark.py engine{' --quick' if args.quick else ''} --threads {args.threads}`  ",
         f"Machine: {machine_line()}  ",
         f"Model: SmolLM2-135M-Instruct, bf16, greedy, {new} new tokens per request (EOS ignored), "
-        f"{len(prompts)} held-out prompts (chat, code, function calling), runs interleaved A B A B.",
+        f"{len(prompts)} held-out prompts (chat, code, function calling); batch 1 = the prompts one after another, "
+        f"batch 8 = all at once; tok/s = generated tokens / wall time (prefill included); medians of "
+        f"{args.reps} repetitions, own engine and transformers interleaved A B A B.",
         "",
-        "| setting | own engine tok/s (median) | transformers tok/s (median) | ratio |",
+        "| setting | own engine tok/s | transformers tok/s | ratio |",
         "| --- | --- | --- | --- |",
         f"| batch 1 | {o1:.1f} | {h1:.1f} | {o1 / h1:.2f}x |",
         f"| batch 8 (throughput) | {o8:.1f} | {median(b8['hf']):.1f} | {o8 / median(b8['hf']):.2f}x |",
         "",
-        f"Own engine batch-8 throughput / batch-1 throughput: **{o8 / o1:.2f}x**.",
+        f"Own engine batch-8 throughput / batch-1 throughput: **{o8 / o1:.2f}x** end to end (prefill "
+        f"included; prefill is compute-bound and does not batch), **{median(decode_rate['b8']) / median(decode_rate['b1']):.2f}x** "
+        f"for decoding alone ({median(decode_rate['b8']):.1f} vs {median(decode_rate['b1']):.1f} tok/s, median per run).",
         "",
         "## Cost of one target forward scoring k tokens (300-token prefix), relative to k = 1",
         "",
@@ -139,9 +149,93 @@ def bench_engine(args) -> str:
     return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n</details>\n"
 
 
+# ----------------------------------------------------------------------------------------- spec
+def bench_spec(args) -> str:
+    """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s."""
+    from hvd_ray.drafters import make_drafter
+
+    model, tok = load("default", "bfloat16")
+    n_per = 3 if args.quick else 6
+    prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens)
+    methods: dict[str, object] = {"greedy": None}
+    for name in args.drafters:
+        try:
+            methods[name] = make_drafter(name, model, eagle3_head=args.eagle3_head, slots=1,
+                                         max_len=args.max_prompt_tokens + args.max_tokens + 64, tree=args.tree)
+        except ValueError as e:
+            print(f"skipping {name}: {e}", file=sys.stderr)
+    engines = {m: Engine(model, drafters=[d] if d else [], max_batch=1,
+                         max_len=args.max_prompt_tokens + args.max_tokens + 64,
+                         num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id])
+               for m, d in methods.items()}
+    params = SamplingParams(max_tokens=args.max_tokens)
+    engines["greedy"].generate([prompts[0][2]], params)  # warm-up
+    rows: dict[tuple[str, str], dict] = {}
+    identical: dict[str, list[bool]] = {m: [] for m in methods}
+    for i, (w, pid, ids) in enumerate(prompts):
+        ref_out = None
+        for m, eng in engines.items():  # interleaved: every method on this prompt, then the next prompt
+            t0 = time.perf_counter()
+            req = eng.generate([ids], params)[0]
+            dt = time.perf_counter() - t0
+            if m == "greedy":
+                ref_out = req.output
+            identical[m].append(req.output == ref_out)
+            st = req.stats.summary(len(req.output))
+            acc = rows.setdefault((w, m), {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0,
+                                           "draft_s": 0.0})
+            acc["tokens"] += len(req.output)
+            acc["time"] += dt
+            acc["forwards"] += st["target_forwards"]
+            acc["steps"] += len(req.stats.steps)
+            acc["dec_tokens"] += sum(s.accepted + 1 for s in req.stats.steps)
+            acc["draft_s"] += st["draft_s"]
+        print(f"[{i + 1}/{len(prompts)}] {pid}", file=sys.stderr)
+
+    lines = [
+        "# Speculative decoding benchmark: greedy vs drafters (batch 1)",
+        "",
+        f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`  ",
+        f"Machine: {machine_line()}  ",
+        f"Model: SmolLM2-135M-Instruct, bf16, greedy, up to {args.max_tokens} new tokens, "
+        f"{n_per} held-out (test split) prompts per workload of <= {args.max_prompt_tokens} tokens, "
+        f"draft budget {args.num_draft_tokens} tokens{' (tree drafts)' if args.tree else ''}; "
+        "every method runs on a prompt before the next prompt (interleaved). The suffix drafter's global "
+        "tree starts empty and fills with this run's outputs.",
+        "",
+        "MAT = mean accepted tokens per target forward (decode steps: accepted draft tokens + 1); "
+        "fwd/1k = target forwards (prefill included) per 1,000 generated tokens; speedup = tok/s over "
+        "greedy's tok/s on the same prompts in the same run; draft share = drafting time / wall time.",
+        "",
+        "| workload | method | MAT | fwd/1k | tok/s | speedup | draft share |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in args.workloads:
+        g = rows.get((w, "greedy"))
+        if not g:
+            continue
+        g_tps = g["tokens"] / g["time"]
+        for m in methods:
+            r = rows[(w, m)]
+            tps = r["tokens"] / r["time"]
+            lines.append(f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
+                         f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
+                         f"{100 * r['draft_s'] / r['time']:.1f}% |")
+    lines += ["", "Outputs identical to greedy (bf16; batch-shape rounding may flip near-ties): " +
+              ", ".join(f"{m} {sum(v)}/{len(v)}" for m, v in identical.items() if m != "greedy"), ""]
+    return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(
+        {f"{w}/{m}": v for (w, m), v in rows.items()}, indent=1) + "\n```\n</details>\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["engine"])
+    ap.add_argument("mode", choices=["engine", "spec"])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--drafters", nargs="+", default=["suffix", "layerskip"])
+    ap.add_argument("--eagle3-head", default=None)
+    ap.add_argument("--tree", action="store_true", help="tree drafts where the drafter supports them")
+    ap.add_argument("--num-draft-tokens", type=int, default=16)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=None)
@@ -149,9 +243,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="markdown file to write (default benchmarks/<mode>.md)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    args.max_tokens = args.max_tokens or (32 if args.quick else 64)
+    args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
     args.reps = args.reps or (2 if args.quick else 3)
-    report = {"engine": bench_engine}[args.mode](args)
+    report = {"engine": bench_engine, "spec": bench_spec}[args.mode](args)
     out = Path(args.out or ROOT / "benchmarks" / f"{args.mode}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)

@@ -177,3 +177,21 @@ def test_default_model_logits_match_transformers(default_folder):
         want = ref(torch.tensor([ids])).logits[0]
     got = ours_logits(ours, ids)
     assert (got - want).abs().max().item() <= ATOL
+
+
+def test_bf16_packed_weights_are_bit_identical_and_batches_run(tiny_llama):
+    model = Transformer.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    model.setup_cache(3, 64)
+    ids = torch.tensor([list(range(5, 25))])
+    packed = model.pack_weights()
+    a = model(ids, [0]).logits
+    for mod in model.modules():
+        mod.__dict__.pop("packed", None)
+    model.cache.truncate(0, 0)
+    b = model(ids, [0]).logits
+    if packed:  # oneDNN bf16 available on this CPU
+        assert torch.equal(a, b)
+    # a bf16 batch (cache dtype differs from the model dtype on CPU) runs and matches closely
+    model.cache.truncate(0, 0)
+    batched = model(torch.cat([ids, ids]), [1, 2]).logits
+    assert (batched[0].float() - b[0].float()).abs().max() < 0.1

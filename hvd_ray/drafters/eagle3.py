@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..model.transformer import ModelConfig, RMSNorm, Transformer, apply_rope, rope_tables
+from ..model.transformer import ModelConfig, RMSNorm, Transformer, apply_rope, rope_cos_sin, rope_tables
 from .base import Draft, DraftRequest
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -369,7 +369,7 @@ class Eagle3Head(nn.Module):
         start_t = torch.tensor(starts, device=dev)
         rows = start_t[:, None] + torch.arange(T, device=dev)
         pos = rows if positions is None else positions.to(dev)
-        cos, sin = self.rope_cos[pos].unsqueeze(2), self.rope_sin[pos].unsqueeze(2)
+        cos, sin = rope_cos_sin(self.rope_cos, self.rope_sin, pos, self.dtype)
         if attn_mask is None:
             mask = torch.arange(span, device=dev)[None, None, :] <= rows[:, :, None]
         else:
@@ -402,7 +402,7 @@ class Eagle3Head(nn.Module):
             cos, sin = rope_tables(self.cfg.rope_config(), T)
             self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
             self._rope_len = T
-        cos, sin = self.rope_cos[:T, None], self.rope_sin[:T, None]
+        cos, sin = rope_cos_sin(self.rope_cos, self.rope_sin, torch.arange(T, device=self.device)[None], self.dtype)
         return self._step(next_tokens, self.fc(taps.to(device=self.device, dtype=self.dtype)), cos, sin)[1]
 
     # ------------------------------------------------------------------------------ construction
@@ -588,13 +588,17 @@ class Eagle3Drafter:
         return max(self.depth, self.top_k * self.depth)
 
     def _ensure_cache(self) -> Eagle3Cache:
-        head = self.head
-        if head.cache is None:
-            tc = self.target.cache
-            slots = self._slots or (tc.slots if tc is not None else None)
-            max_len = self._max_len or (tc.max_len if tc is not None else None)
-            if slots is None or max_len is None:
-                raise RuntimeError("set up the target's cache first, or pass slots= and max_len=")
+        """The head's cache, sized like the target's (plus drafting room), made on first use and
+        remade while no request is live if the target's cache has outgrown it."""
+        head, tc = self.head, self.target.cache
+        slots = self._slots or (tc.slots if tc is not None else None)
+        max_len = self._max_len or (tc.max_len if tc is not None else None)
+        if head.cache is not None and (self._reqs or slots is None or max_len is None):
+            return head.cache
+        if slots is None or max_len is None:
+            raise RuntimeError("set up the target's cache first, or pass slots= and max_len=")
+        c = head.cache
+        if c is None or c.slots < slots or c.max_len < max_len + self.draft_room:
             head.setup_cache(slots, max_len + self.draft_room)
         return head.cache
 

@@ -1,20 +1,24 @@
 """SuffixDecoding-style cache drafter: depth-bounded suffix trees over prompts and past outputs.
 
 A ``SuffixTree`` holds every substring of length <= ``max_depth`` of its sequences, path-compressed,
-with ``count`` = number of occurrences of the node's string (a suffix "passes through" it). Appending
-a token touches only the ``max_depth`` *active* nodes of that sequence (where its last ``max_depth``
+with ``count`` = occurrences of the node's string (suffixes passing through it). Appending a token
+touches only the ``max_depth`` *active* nodes of that sequence (where its last ``max_depth``
 suffixes end), so it is O(depth); the cases mirror arctic-inference's C++ tree so that every active
-suffix always ends exactly at a node end. Each node caches its most frequent child (``best``, ties to
-the smaller token id) so a greedy draft is a pointer walk; a draft token's path probability telescopes
-to ``count(path node) / count(match node)``, which is computed exactly that way (one division), so
-scores of equal drafts compare equal across match lengths and trees.
+suffix ends exactly at a node end. Each node caches its most frequent child (``best``, ties to the
+smaller token id) so a greedy draft is a pointer walk. A draft token's path probability (product of
+child/parent counts) telescopes to ``count(path node) / count(match node)`` and is computed that
+way, so equal drafts score exactly equal across match lengths and trees.
 
 ``SuffixDrafter`` keeps one tree per active request (prompt + generated tokens) and one global tree
-over the outputs of recent requests (including live ones as they grow). Matching the context is
-free wherever a sequence's active nodes already sit on the context's suffixes (always in the request
-tree, and in the global tree for the part of the context the live output covers); only suffixes that
-reach back into the prompt are walked from the root. Match lengths are tried longest-first and cut off
-with a score upper bound, so a step usually evaluates a handful of candidates.
+over the outputs of recent requests (live ones included, as they grow). Matching is free wherever a
+sequence's active nodes already sit on the context's suffixes (always in the request tree; in the
+global tree for the part of the context the live output covers); only suffixes that reach back
+into the prompt are walked from the root. Match lengths are tried longest-first and skipped when a
+score upper bound cannot beat the best so far, so a step evaluates a handful of candidates.
+
+Ties go as in arctic-inference: the longer match wins, and the request tree beats the global one.
+Deliberate differences: ties between equally frequent tokens go to the smaller id; a context
+shorter than ``max_depth`` may match in full; an empty draft reports ``match_len`` 0.
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ class _Node:
         self.count = count
         self.token = token          # first token (the key in the parent's children)
         self.length = length
-        self.ref = ref              # a list holding this node's tokens (a sequence, or a private copy)
+        self.ref = ref              # list holding the tokens (a sequence, or a private copy)
         self.ref_idx = ref_idx
         self.parent = parent
         self.children: dict[int, _Node] | None = None   # None for leaves: saves a dict per leaf
-        self.best: _Node | None = None                  # most frequent child (not kept for the root)
+        self.best: _Node | None = None                  # most frequent child (not for root)
 
 
 def _best_child(children: dict[int, _Node] | None) -> _Node | None:
@@ -118,8 +122,9 @@ class SuffixTree:
             if node.count == 1 and node is not root:
                 # 1a: only this suffix goes through the node, so it is a leaf: grow it in place.
                 node.length += 1
-                node.ref = seq
-                node.ref_idx = n - node.length
+                if node.ref is not seq:   # only after a removal left it on another's tokens
+                    node.ref = seq
+                    node.ref_idx = n - node.length
                 continue
             ch = node.children
             child = ch.get(token) if ch is not None else None
@@ -318,9 +323,10 @@ class SuffixTree:
     def speculate(self, context: Sequence[int], max_spec_tokens: int = 64,
                   max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
                   min_token_prob: float = 0.1, use_tree_spec: bool = False) -> Draft:
-        """Best draft over all match lengths of ``context``'s suffixes (tree walked from the root)."""
+        """Best draft over all match lengths of ``context``'s suffixes (walked from the root)."""
         ctx = context if isinstance(context, list) else list(context)
-        p = _Params(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec)
+        p = _Params(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob,
+                    use_tree_spec)
         hit = _search(self, ctx, None, p, 0.0)
         return _materialize(hit, p, "suffix")
 
@@ -353,7 +359,7 @@ class _Params:
         self.tree = bool(tree)
 
 
-# A search hit: (score, node, idx, match_len, max_tokens, tree_draft or None, tree)
+# A search hit: (score, match node, offset in it, match_len, token limit, tree draft or None)
 _Hit = tuple
 
 
@@ -381,7 +387,7 @@ def _search(tree: SuffixTree, ctx: list[int], active: list[_Node] | None, p: _Pa
             else:
                 h = mid - 1
         M = lo
-        if M == k and k < hi and k == len(active) and k < max_depth:
+        if M == k == len(active) and k < hi:
             # The sequence is shorter than the context: longer suffixes reach into text it
             # lacks (the prompt), so look them up elsewhere in the tree.
             lo, h = k, hi
@@ -472,35 +478,36 @@ def _search(tree: SuffixTree, ctx: list[int], active: list[_Node] | None, p: _Pa
 def _tree_draft(node: _Node, idx: int, base: int, limit: int, min_prob: float):
     """Best-first token tree: the ``limit`` most probable continuations (each prob >= min_prob).
 
-    Returns (sum of counts, tokens, parents, probs). A compressed node's tokens share one
-    probability, so they are emitted as a run.
+    Returns (sum of counts, tokens, parents, probs). One token per pop, the rest of its node
+    re-queued behind equally likely ones: ties spread across branches (breadth), as in
+    arctic-inference, which accepts slightly more than finishing one run first.
     """
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []
     total = 0
     tie = 0
-    heap: list = [(-base, tie, node, idx, -1)]
+    heap: list = [(-base, 0, node, idx, -1)]
+    pop, push = heapq.heappop, heapq.heappush
     while heap and len(tokens) < limit:
-        negc, _, nd, i, par = heapq.heappop(heap)
-        c = -negc
+        negc, _, nd, i, par = pop(heap)
         if i < nd.length:
-            take = min(nd.length - i, limit - len(tokens))
-            r = nd.ref_idx + i
-            for j in range(take):
-                parents.append(par if j == 0 else len(tokens) - 1)
-                tokens.append(nd.ref[r + j])
-            probs.extend([c / base] * take)
-            total += c * take
-            if i + take < nd.length:
-                continue                  # cut by the limit
+            c = -negc
+            parents.append(par)
+            tokens.append(nd.ref[nd.ref_idx + i])
+            probs.append(c / base)
+            total += c
             par = len(tokens) - 1
+            if i + 1 < nd.length:
+                tie += 1
+                push(heap, (negc, tie, nd, i + 1, par))
+                continue
         if nd.children is None:
             continue
         for ch in nd.children.values():
             if ch.count / base >= min_prob:
                 tie += 1
-                heapq.heappush(heap, (-ch.count, tie, ch, 0, par))
+                push(heap, (-ch.count, tie, ch, 0, par))
     return total, tokens, parents, probs
 
 
@@ -539,6 +546,7 @@ class SuffixDrafter:
     """Parameter-free cache drafter: per-request tree + bounded global tree of past outputs."""
 
     name = "suffix"
+    needs_taps: tuple[int, ...] = ()   # reads no hidden states
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = c = config or SuffixConfig()
@@ -550,7 +558,8 @@ class SuffixDrafter:
         self._cached: dict[Hashable, None] = {}          # ids in the global tree, oldest first
 
     # ----------------------------------------------------------- request lifecycle
-    def begin(self, req_id: Hashable, prompt: Sequence[int]) -> None:
+    def begin(self, req_id: Hashable, prompt: Sequence[int], slot: int | None = None) -> None:
+        """Build the request tree from the prompt (``slot``, the KV slot, is not needed here)."""
         if req_id in self._req:
             raise ValueError(f"request {req_id!r} is already active")
         t = SuffixTree(self.config.max_depth)
@@ -567,6 +576,9 @@ class SuffixDrafter:
             self._pending[req_id].extend(tokens)
         elif req_id in self._cached:   # (it may have been evicted while live)
             self.global_tree.extend(req_id, tokens)
+
+    def observe_target(self, req_id: Hashable, next_tokens: Sequence[int], taps) -> None:
+        """No-op: the suffix drafter never reads the target's hidden states."""
 
     def end(self, req_id: Hashable) -> None:
         del self._req[req_id]
@@ -619,8 +631,12 @@ class SuffixDrafter:
                 return _materialize(ghit, p, "suffix-global")
         return _materialize(hit, p, "suffix-request")
 
-    def propose(self, req_ids: Sequence[Hashable],
-                max_tokens: Sequence[int] | int | None = None) -> list[Draft]:
+    def propose(self, reqs: Sequence, max_tokens: Sequence[int] | int | None = None
+                ) -> list[Draft]:
+        """Drafts for a batch: ``DraftRequest``s (the engine's form: id + budget), or plain ids
+        with ``max_tokens`` (one cap, or one per id). The context is the drafter's own copy."""
+        if reqs and hasattr(reqs[0], "req_id"):
+            return [self.speculate(r.req_id, r.max_tokens) for r in reqs]
         if max_tokens is None or isinstance(max_tokens, int):
-            return [self.speculate(r, max_tokens) for r in req_ids]
-        return [self.speculate(r, m) for r, m in zip(req_ids, max_tokens, strict=True)]
+            return [self.speculate(r, max_tokens) for r in reqs]
+        return [self.speculate(r, m) for r, m in zip(reqs, max_tokens, strict=True)]

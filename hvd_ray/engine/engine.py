@@ -18,7 +18,7 @@ import torch
 
 from ..drafters.base import Draft, Drafter, DraftRequest
 from ..model.transformer import Transformer
-from ..verification import greedy_accept_tree, rejection_sample_tree, target_probs, tree_attention_mask
+from ..verification import greedy_walk, rejection_sample_tree, target_probs, tree_attention_mask
 from ..verification.sampling import sample
 from ..verification.tree import tree_depths
 from .request import Request, SamplingParams, StepRecord
@@ -111,7 +111,8 @@ class Engine:
             for d in self.drafters:
                 d.begin(req.req_id, req.prompt, req.slot)
             admitted.append(req)
-        decoding = [r for r in self.running if not r.finished]
+        # slot order lets the model read consecutive cache slots as one view
+        decoding = sorted((r for r in self.running if not r.finished), key=lambda r: r.slot)
         if decoding:
             outputs += self._decode(decoding)
         if admitted:
@@ -130,26 +131,20 @@ class Engine:
                 outputs.append(StepOutput(req.req_id, [], True, "abort"))
 
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
-        t0 = time.perf_counter()
-        lens = [len(r.prompt) for r in reqs]
-        T = max(lens)
+        """One forward per new prompt: prefill is compute-bound, so batching prompts of different
+        lengths would only add padding work, and a lone sequence takes the fused causal kernel."""
         dev = self.model.device
-        toks = torch.tensor([r.prompt + [0] * (T - len(r.prompt)) for r in reqs], device=dev)
-        out = self.model(toks, [r.slot for r in reqs], n_new=lens, taps=self.taps,
-                         logit_rows=None if self.taps else torch.tensor(lens, device=dev) - 1)
-        last = torch.tensor(lens, device=dev) - 1
-        logits = out.logits[torch.arange(len(reqs), device=dev), last] if self.taps else out.logits[:, 0]
-        firsts = self._first_tokens(reqs, logits)
-        dt = time.perf_counter() - t0
         results = []
-        for b, req in enumerate(reqs):
-            req.stats.prefill_s = dt
+        for req in reqs:
+            t0 = time.perf_counter()
+            n = len(req.prompt)
+            out = self.model(torch.tensor([req.prompt], device=dev), [req.slot], taps=self.taps, last_only=True)
+            first = self._first_tokens([req], out.logits[:, -1])[0]
+            req.stats.prefill_s = time.perf_counter() - t0
             req.stats.target_forwards += 1
             if self.taps:
-                fused = torch.cat([t[b, : lens[b]] for t in out.taps], dim=-1)
-                for d in self._tap_drafters():
-                    d.observe_target(req.req_id, req.prompt[1:] + [firsts[b]], fused)
-            results.append(self._emit(req, [firsts[b]]))
+                self._observe(req, req.prompt[1:] + [first], out.taps, 0, slice(0, n))
+            results.append(self._emit(req, [first]))
         return results
 
     def _first_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
@@ -202,23 +197,20 @@ class Engine:
         out = self.model(toks, [r.slot for r in reqs], n_new=widths, depths=depths,
                          attn_mask=mask, taps=self.taps)
         logits = out.logits
+        best = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None  # one sync
         results = []
         for b, (req, d) in enumerate(zip(reqs, drafts)):
-            rows = logits[b, : widths[b]]
             p = req.params
             if p.greedy:
-                path, nxt = greedy_accept_tree(rows, d.token_ids, d.parents)
+                path, nxt = greedy_walk(best[b], d.token_ids, d.parents)
             else:
-                probs = target_probs(rows, p.temperature, p.top_k, p.top_p)
+                probs = target_probs(logits[b, : widths[b]], p.temperature, p.top_k, p.top_p)
                 path, nxt = rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
             keep = [0] + [i + 1 for i in path]
             self.model.cache.compact(req.slot, starts[b], keep)
             emitted = [d.token_ids[i] for i in path] + [nxt]
             if self.taps:
-                idx = torch.tensor(keep, device=dev)
-                fused = torch.cat([t[b, idx] for t in out.taps], dim=-1)
-                for dr in self._tap_drafters():
-                    dr.observe_target(req.req_id, emitted, fused)
+                self._observe(req, emitted, out.taps, b, torch.tensor(keep, device=dev))
             req.stats.target_forwards += 1
             t2 = time.perf_counter()
             req.stats.steps.append(StepRecord(d.source or "none", len(d), len(path),
@@ -229,8 +221,12 @@ class Engine:
             r.stats.decode_s += dt
         return results
 
-    def _tap_drafters(self) -> list[Drafter]:
-        return [d for d in self.drafters if getattr(d, "needs_taps", ())]
+    def _observe(self, req: Request, next_tokens: list[int], taps: list[torch.Tensor], row: int, pos) -> None:
+        """Hand each tap-reading drafter the target's hidden states at the committed positions."""
+        for d in self.drafters:
+            if getattr(d, "needs_taps", ()):
+                fused = torch.cat([taps[self.taps.index(t)][row, pos] for t in d.needs_taps], dim=-1)
+                d.observe_target(req.req_id, next_tokens, fused)
 
     def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
         """Append tokens to the output, cutting at EOS / stop tokens / stop strings / max_tokens."""
@@ -249,10 +245,11 @@ class Engine:
             text = self.detokenize(req.output[-(len(kept) + 32):])
             if any(s in text for s in p.stop):
                 req.finish_reason = "stop"
-        if not req.finished:
-            req.pending = req.output[-1]
+        if kept:  # also when finishing, so e.g. the suffix cache keeps the whole output
             for d in self.drafters:
                 d.accept(req.req_id, kept)
+        if not req.finished:
+            req.pending = req.output[-1]
         return StepOutput(req.req_id, kept, req.finished, req.finish_reason)
 
     # ----------------------------------------------------------------------------- helpers

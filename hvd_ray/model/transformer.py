@@ -99,11 +99,57 @@ def rope_tables(cfg: ModelConfig, length: int) -> tuple[Tensor, Tensor]:
     return emb.cos().float(), emb.sin().float()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, T, H, D]; cos/sin [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """HF's rotate-half RoPE, ``x*cos + rotate_half(x)*sin``, in two fused ops.
+
+    ``rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, 1]``, so the sign is folded into
+    ``sin_signed = [-sin, sin]`` (see ``rope_cos_sin``). x [B, T, H, D]; cos/sin [B, T, 1, D].
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def rope_cos_sin(cos_table: Tensor, sin_table: Tensor, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sign-folded sin for positions ``pos [B, T]``, shaped [B, T, 1, D], in ``dtype``."""
+    cos, sin = cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2)
+    half = sin.shape[-1] // 2
+    return cos.to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(dtype)
+
+
+def linear(x: Tensor, mod: nn.Linear) -> Tensor:
+    """``mod(x)``, through oneDNN's prepacked weight when ``pack_weights`` made one (CPU bf16)."""
+    packed = mod.__dict__.get("packed")
+    if packed is None:
+        return F.linear(x, mod.weight, mod.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, mod.bias, "none", [], "")
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+    """Grouped-query attention as two batched matmuls: q [B, T, H, D], k/v [B, KV, S, D] -> [B, T, H*D].
+
+    The query heads that share a KV head are folded into the row dimension, so K/V are never
+    repeated or copied (the cache is head-major, so a slot range is a plain batched-matmul operand).
+    Computed in the cache's dtype (fp32 on CPU, where bf16 batched matmuls are slower than fp32
+    ones) with an fp32 softmax; for decode-sized T this is several times faster than SDPA's CPU
+    kernel. ``bias`` [B, 1, G*T, S] is 0 / -inf (see ``mask_bias``) or None.
+    """
+    B, T, H, D = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    G = H // KV
+    qg = q.to(k.dtype).view(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
+    scores = torch.matmul(qg * (D ** -0.5), k.transpose(2, 3)).float()  # [B, KV, G*T, S]
+    if bias is not None:
+        scores = scores + bias
+    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [B, KV, G*T, D]
+    return out.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D).to(q.dtype)
+
+
+def mask_bias(mask: Tensor, groups: int) -> Tensor:
+    """Bool mask [B, 1, T, S] -> additive fp32 bias [B, 1, G*T, S] in ``attend``'s row order.
+
+    Built once per forward rather than once per layer."""
+    B, _, T, S = mask.shape
+    m = mask.unsqueeze(2).expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
+    return torch.zeros(m.shape, device=mask.device).masked_fill_(~m, float("-inf"))
 
 
 class RMSNorm(nn.Module):
@@ -113,8 +159,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 like HF, so bf16 results track the reference implementation.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -127,29 +172,39 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, ctx: "_StepContext", layer: int) -> Tensor:
+        # Plain F.linear / views rather than module calls: the per-token op count is what a
+        # 135M model's decode step pays for on CPU.
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
-        q = q.view(B, T, self.n_heads, self.hd)
-        k = k.view(B, T, self.n_kv, self.hd)
-        v = v.view(B, T, self.n_kv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        H, KV, D = self.n_heads, self.n_kv, self.hd
+        qkv = linear(x, self.wqkv)
+        v = qkv[..., (H + KV) * D :].view(B, T, KV, D)
+        if self.q_norm is None:
+            qk = apply_rope(qkv[..., : (H + KV) * D].view(B, T, H + KV, D), ctx.cos, ctx.sin)
+            q, k = qk[:, :, :H], qk[:, :, H:]
+        else:
+            q = self.q_norm(qkv[..., : H * D].view(B, T, H, D))
+            k = self.k_norm(qkv[..., H * D : (H + KV) * D].view(B, T, KV, D))
+            q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         kc, vc = ctx.cache.k[layer], ctx.cache.v[layer]
         if ctx.contiguous is not None:  # one sequence: plain slice writes and views, no gathers
             slot, start = ctx.contiguous
-            kc[slot, start : start + T] = k[0]
-            vc[slot, start : start + T] = v[0]
-            keys, vals = kc[slot : slot + 1, : ctx.span], vc[slot : slot + 1, : ctx.span]
+            kc[slot, :, start : start + T] = k[0].transpose(0, 1)
+            vc[slot, :, start : start + T] = v[0].transpose(0, 1)
+            if ctx.fresh_prefill:  # no prefix, causal: the fused SDPA kernel on the new K/V is fastest
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     is_causal=True, enable_gqa=H != KV)
+                return linear(out.transpose(1, 2).reshape(B, T, H * D), self.wo)
+            keys, vals = kc[slot : slot + 1, :, : ctx.span], vc[slot : slot + 1, :, : ctx.span]
         else:
-            kc.index_put_((ctx.slot_idx, ctx.write_pos), k)
-            vc.index_put_((ctx.slot_idx, ctx.write_pos), v)
-            keys, vals = kc[ctx.slots_t, : ctx.span], vc[ctx.slots_t, : ctx.span]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-            attn_mask=ctx.mask, enable_gqa=self.n_heads != self.n_kv,
-        )
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+            idx = (ctx.slot_idx[:, None, :], ctx.head_idx, ctx.write_pos[:, None, :])  # [B, KV, T]
+            kc.index_put_(idx, k.transpose(1, 2).to(kc.dtype))
+            vc.index_put_(idx, v.transpose(1, 2).to(vc.dtype))
+            if ctx.slot_range is not None:  # consecutive slots: a view, not a gather
+                a, b = ctx.slot_range
+                keys, vals = kc[a:b, :, : ctx.span], vc[a:b, :, : ctx.span]
+            else:
+                keys, vals = kc[ctx.slots_t, :, : ctx.span], vc[ctx.slots_t, :, : ctx.span]
+        return linear(attend(q, keys, vals, ctx.mask), self.wo)
 
 
 class MLP(nn.Module):
@@ -160,8 +215,8 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.inter, -1)
-        return self.w2(F.silu(gate) * up)
+        gate, up = linear(x, self.w13).split(self.inter, -1)
+        return linear(F.silu(gate) * up, self.w2)
 
 
 class Block(nn.Module):
@@ -174,14 +229,14 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Per-layer K/V tensors ``[slots, max_len, kv_heads, head_dim]`` plus per-slot lengths.
+    """Per-layer K/V tensors ``[slots, kv_heads, max_len, head_dim]`` plus per-slot lengths.
 
     ``lengths`` is a plain Python list: the engine reads and writes it every step, and list access
     is far cheaper than touching a tensor. Entries past ``lengths[slot]`` are garbage by contract.
     """
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (slots, max_len, cfg.n_kv_heads, cfg.head_dim)
+        shape = (slots, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.lengths = [0] * slots
@@ -207,8 +262,8 @@ class KVCache:
         if list(keep) != list(range(n)):
             src = torch.tensor(keep, device=self.k[0].device) + start
             for kc, vc in zip(self.k, self.v):
-                kc[slot, start : start + n] = kc[slot, src]
-                vc[slot, start : start + n] = vc[slot, src]
+                kc[slot, :, start : start + n] = kc[slot, :, src]
+                vc[slot, :, start : start + n] = vc[slot, :, src]
         self.lengths[slot] = start + n
 
 
@@ -217,9 +272,12 @@ class _StepContext:
     cache: KVCache
     cos: Tensor
     sin: Tensor
-    mask: Tensor | None
+    mask: Tensor | None  # additive attention bias (mask_bias), None = attend to everything
     span: int
     contiguous: tuple[int, int] | None
+    fresh_prefill: bool = False
+    slot_range: tuple[int, int] | None = None
+    head_idx: Tensor | None = None
     slots_t: Tensor | None = None
     slot_idx: Tensor | None = None
     write_pos: Tensor | None = None
@@ -253,11 +311,18 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def setup_cache(self, slots: int, max_len: int) -> KVCache:
-        """Allocate the KV cache (and RoPE tables) for ``slots`` sequences of up to ``max_len`` tokens."""
+    def setup_cache(self, slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """Allocate the KV cache (and RoPE tables) for ``slots`` sequences of up to ``max_len`` tokens.
+
+        The cache defaults to fp32 on CPU (attention matmuls run in the cache dtype, and CPU bf16
+        batched matmuls are about 2x slower than fp32 ones; bf16 values are stored exactly) and to
+        the model dtype elsewhere.
+        """
         if max_len > self.cfg.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's context ({self.cfg.max_position})")
-        self.cache = KVCache(self.cfg, slots, max_len, self.dtype, self.device)
+        if dtype is None:
+            dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.cache = KVCache(self.cfg, slots, max_len, dtype, self.device)
         if self._rope_len < max_len:
             cos, sin = rope_tables(self.cfg, max_len)
             self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
@@ -302,8 +367,7 @@ class Transformer(nn.Module):
         start_t = torch.tensor(starts, device=dev)
         offs = torch.arange(T, device=dev).expand(B, T) if depths is None else depths
         pos = start_t[:, None] + offs
-        cos = self.rope_cos[pos].unsqueeze(2)
-        sin = self.rope_sin[pos].unsqueeze(2)
+        cos, sin = rope_cos_sin(self.rope_cos, self.rope_sin, pos, self.dtype)
 
         contiguous = (slots[0], starts[0]) if B == 1 else None
         mask = None
@@ -317,11 +381,16 @@ class Transformer(nn.Module):
                 own = attn_mask.to(dev) | torch.eye(T, dtype=torch.bool, device=dev)
                 new = own.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, span))
             mask = ((rel < 0)[:, None, :] | (new & (rel < T)[:, None, :])).unsqueeze(1)
-        ctx = _StepContext(cache, cos, sin, mask, span, contiguous)
+            mask = mask_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads)
+        fresh = contiguous is not None and starts[0] == 0 and attn_mask is None and T > 1
+        ctx = _StepContext(cache, cos, sin, mask, span, contiguous, fresh)
         if contiguous is None:
+            if list(slots) == list(range(slots[0], slots[0] + B)):
+                ctx.slot_range = (slots[0], slots[0] + B)
             ctx.slots_t = torch.tensor(list(slots), device=dev)
             ctx.slot_idx = ctx.slots_t[:, None].expand(B, T)
             ctx.write_pos = start_t[:, None] + torch.arange(T, device=dev)
+            ctx.head_idx = torch.arange(self.cfg.n_kv_heads, device=dev)[None, :, None]
 
         skipped = set(skip or ())
         tap_set = set(taps)
@@ -329,9 +398,9 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             if (i, "attn") not in skipped:
-                h = h + layer.attn(layer.attn_norm(h), ctx, i)
+                h = h + layer.attn.forward(layer.attn_norm.forward(h), ctx, i)
             if (i, "mlp") not in skipped:
-                h = h + layer.mlp(layer.mlp_norm(h))
+                h = h + layer.mlp.forward(layer.mlp_norm.forward(h))
             if i in tap_set:
                 tapped[i] = h
         for b, s in enumerate(slots):
@@ -341,8 +410,25 @@ class Transformer(nn.Module):
             h = h[torch.arange(B, device=dev), logit_rows].unsqueeze(1)
         elif last_only:
             h = h[:, -1:]
-        logits = self.output(self.norm(h))
+        logits = linear(self.norm(h), self.output)
         return ForwardOutput(logits, [tapped[i] for i in taps])
+
+    def pack_weights(self) -> bool:
+        """Give every Linear a oneDNN-prepacked copy of its weight (CPU, bf16 only).
+
+        Decode on CPU is memory-bound; the blocked layout streams ~35% faster than a plain
+        row-major GEMV (measured: 7.5 vs 11.5 ms for all SmolLM2 matmuls per token) and gives
+        bit-identical bf16 results. fp32 is left alone: there it changes the accumulation order,
+        and fp32 is our exactness reference. Call again after changing weights (e.g. sharding).
+        """
+        ok = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                mod.__dict__.pop("packed", None)
+                if ok:
+                    mod.__dict__["packed"] = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), 1)
+        return ok
 
     # ----------------------------------------------------------------------------------- load
     @classmethod
@@ -365,7 +451,9 @@ class Transformer(nn.Module):
         model.load_state_dict(convert_hf_state_dict(state, cfg), assign=True, strict=True)
         if cfg.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        model.pack_weights()
+        return model
 
 
 def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:

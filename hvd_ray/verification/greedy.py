@@ -66,7 +66,17 @@ def greedy_accept_tree(target_logits: torch.Tensor, draft_tokens: Sequence[int] 
     draft = _as_list(draft_tokens)
     if len(parents) != len(draft) or target_logits.shape[0] != len(draft) + 1:
         raise ValueError("need len(parents) == len(draft) and len(draft) + 1 logit rows")
-    best = target_logits.argmax(-1).tolist()
+    return greedy_walk(target_logits.argmax(-1).tolist(), draft, parents)
+
+
+def greedy_walk(best: Sequence[int], draft: Sequence[int], parents: Sequence[int]) -> tuple[list[int], int]:
+    """``greedy_accept_tree`` on precomputed argmax tokens ``best[node]`` (the engine takes one
+    argmax over the whole batch's logits, then walks each request's draft in Python)."""
+    if all(p == i - 1 for i, p in enumerate(parents)):  # chain: longest matching prefix
+        n = 0
+        while n < len(draft) and draft[n] == best[n]:
+            n += 1
+        return list(range(n)), best[n]
     children = tree_children(parents)
     path: list[int] = []
     node = 0
