@@ -31,7 +31,7 @@ from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
 from hvd_ray.model import load, resolve  # noqa: E402
 from hvd_ray.workloads import load_workload, render  # noqa: E402
 
-WORKLOADS = ("function_calling", "function_calling_multi", "code", "chat")
+WORKLOADS = ("function_calling", "code", "code_edit", "chat")  # multi-turn BFCL prompts are 4-5k tokens
 
 
 def machine_line() -> str:

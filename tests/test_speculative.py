@@ -61,7 +61,8 @@ def drafter_for(name, model, tmp_path_factory):
         return Eagle3Drafter(model, Eagle3Head.from_target(model, draft_vocab_size=8192, seed=0, dtype=torch.float32),
                              tree=True, top_k=3, depth=4, max_nodes=12)
     if name == "draft-model":
-        folder = make_tiny("llama", tmp_path_factory.mktemp("draft"), vocab_size=model.cfg.vocab_size)
+        folder = make_tiny("llama", tmp_path_factory.mktemp("draft"), vocab_size=model.cfg.vocab_size,
+                           max_position_embeddings=2048)
         return draft_model_drafter(str(folder), model, slots=4, max_len=1024)
     if name == "suffix-tree":
         return make_drafter("suffix", model, tree=True)
@@ -101,7 +102,7 @@ def test_speculative_sampling_preserves_the_distribution(tmp_path):
         for a in range(12):
             model.cache.truncate(0, 0)
             exact += p1[a] * model(torch.tensor([prompt + [a]]), [0]).logits[0, -1].div(T).softmax(-1)
-    for drafter in (SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn"), (2, "mlp")])):
+    for drafter in (SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn"), (2, "mlp")], min_prob=0.0)):
         engine = Engine(model, drafters=[drafter], max_batch=8, max_len=64, num_draft_tokens=4)
         n = 3000
         reqs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=T, seed=s, ignore_eos=True)

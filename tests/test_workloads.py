@@ -132,6 +132,7 @@ def test_every_workload_loads_with_unique_ids(everything):
     assert {p.workload for p in everything} == set(WORKLOADS)
     per = collections.Counter(p.workload for p in everything)
     assert per["code"] == 164 and per["chat"] == 119 and per["function_calling_multi"] == 200
+    assert per["code_edit"] == 164
     assert per["function_calling"] == sum(len(load_bfcl(c)) for c in BFCL_SINGLE_TURN)
     for p in everything:
         assert p.messages and all(m["content"].strip() for m in p.messages)
@@ -141,7 +142,7 @@ def test_every_workload_loads_with_unique_ids(everything):
 
 def test_loading_is_deterministic_and_limit_mixes(everything):
     assert [p.id for p in load_workload("all")] == [p.id for p in everything]
-    first = load_workload("all", limit=4)
+    first = load_workload("all", limit=len(WORKLOADS))
     assert [p.workload for p in first] == list(WORKLOADS)
     fc = load_workload("function_calling", limit=len(BFCL_SINGLE_TURN))
     assert [p.meta["category"] for p in fc] == list(BFCL_SINGLE_TURN)

@@ -29,8 +29,11 @@ class ModelDrafter:
     needs_taps: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, *, skip: Iterable[SubLayer] = (), shares_target_cache: bool = False,
-                 name: str = "draft-model", max_len: int | None = None, slots: int | None = None):
+                 name: str = "draft-model", max_len: int | None = None, slots: int | None = None,
+                 depth: int = 5, min_prob: float = 0.0):
         self.model = model
+        self.depth = depth  # each draft token costs one drafter forward: keep chains short
+        self.min_prob = min_prob  # stop a chain at the first token the drafter is this unsure of
         self.skip = sorted(set(skip))
         self.shared = shares_target_cache
         self.name = name
@@ -68,24 +71,26 @@ class ModelDrafter:
         toks = torch.tensor([f + [0] * (width - len(f)) for f in feed], device=dev)
         logits = self.model(toks, slots, n_new=[len(f) for f in feed], skip=self.skip,
                             logit_rows=torch.tensor([len(f) - 1 for f in feed], device=dev)).logits[:, -1]
-        steps = max(r.max_tokens for r in live)
+        want = [min(r.max_tokens, self.depth) for r in live]
         out: list[list[int]] = [[] for _ in live]
         probs: list[list[float]] = [[] for _ in live]
-        for i in range(steps):
-            p = logits.float().softmax(-1)
-            best = p.max(-1)
+        going = [True] * len(live)
+        for i in range(max(want)):
+            best = logits.float().softmax(-1).max(-1)
             toks_i, probs_i = best.indices.tolist(), best.values.tolist()
             for b in range(len(live)):
-                out[b].append(toks_i[b])
-                probs[b].append(probs_i[b])
-            if i + 1 == steps:
+                if going[b] and (probs_i[b] < self.min_prob or i >= want[b]):
+                    going[b] = False
+                if going[b]:
+                    out[b].append(toks_i[b])
+                    probs[b].append(probs_i[b])
+            if i + 1 == max(want) or not any(going):
                 break
             logits = self.model(best.indices[:, None], slots, skip=self.skip).logits[:, -1]
         for s, n in zip(slots, restore):
             cache.truncate(s, n)
         for b, r in enumerate(live):
-            k = r.max_tokens
-            drafts[r.req_id] = Draft.chain(out[b][:k], probs[b][:k], source=self.name)
+            drafts[r.req_id] = Draft.chain(out[b], probs[b], source=self.name)
         return [drafts[r.req_id] for r in reqs]
 
 

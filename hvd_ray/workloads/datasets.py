@@ -99,6 +99,20 @@ _HUMANEVAL_USER = (
 )
 
 
+# Code editing: the model rewrites a whole function it is shown, so most of the output copies the
+# prompt (the agentic / coding-assistant pattern that suffix drafting exploits).
+_CODE_EDIT_USER = (
+    "Edit the following Python function: {task} Reply with the complete edited function in a "
+    "single ```python code block and nothing else.\n\n```python\n{code}```"
+)
+_CODE_EDIT_TASKS = (
+    "add a type hint to every parameter and to the return value.",
+    "add a short comment above each statement of the body explaining what it does.",
+    "rename every local variable to a longer, more descriptive name.",
+    "add input validation that raises ValueError for arguments of the wrong type.",
+)
+
+
 class DatasetNotInstalledError(ImportError):
     """A packaged dataset's wheel is not installed."""
 
@@ -267,6 +281,25 @@ def load_humaneval() -> list[Prompt]:
     return prompts
 
 
+def load_code_edit() -> list[Prompt]:
+    """HumanEval functions (prompt + canonical solution) with an edit instruction each."""
+    prompts = []
+    for i, row in enumerate(_read_jsonl(_data_file("humaneval", "HumanEval.jsonl.gz"))):
+        code = row["prompt"] + row["canonical_solution"]
+        task = _CODE_EDIT_TASKS[i % len(_CODE_EDIT_TASKS)]
+        prompts.append(
+            Prompt(
+                id=f"code_edit/{row['task_id']}",
+                workload="code_edit",
+                messages=[{"role": "user", "content": _CODE_EDIT_USER.format(task=task, code=code)}],
+                raw=None,
+                meta={"dataset": "humaneval", "task_id": row["task_id"], "edit": task,
+                      "entry_point": row["entry_point"], "test": row["test"]},
+            )
+        )
+    return prompts
+
+
 # ---------------------------------------------------------------------------------------------
 # MT-Bench (chat)
 
@@ -339,6 +372,8 @@ def _workload_prompts(name: str, categories: Sequence[str] | None) -> list[Promp
         raise ValueError(f"categories only apply to the BFCL workloads, not {name!r}")
     if name == "code":
         return load_humaneval()
+    if name == "code_edit":
+        return load_code_edit()
     if name == "chat":
         return load_mtbench()
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS + ('all',)}")
@@ -351,7 +386,7 @@ def load_workload(
     categories: Sequence[str] | None = None,
 ) -> list[Prompt]:
     """Prompts of a workload (``"function_calling"``, ``"function_calling_multi"``, ``"code"``,
-    ``"chat"`` or ``"all"``), optionally one split, at most ``limit`` of them.
+    ``"code_edit"``, ``"chat"`` or ``"all"``), optionally one split, at most ``limit`` of them.
 
     The order is deterministic. BFCL categories (``categories``, default: all single-turn ones,
     resp. ``multi_turn_base``) and, for ``"all"``, the workloads are interleaved round-robin, so

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKLOADS = ("function_calling", "function_calling_multi", "code", "chat")
+WORKLOADS = ("function_calling", "function_calling_multi", "code", "code_edit", "chat")
 SPLITS = ("train", "validation", "test")
 DEFAULT_FRACTIONS = (0.8, 0.1, 0.1)
 ROLES = ("system", "user", "assistant")
