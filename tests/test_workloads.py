@@ -100,7 +100,7 @@ def test_bfcl_system_prompts_list_the_functions():
     for p in load_workload("function_calling") + load_workload("function_calling_multi"):
         system = p.messages[0]
         assert system["role"] == "system"
-        assert "JSON" in system["content"]
+        assert "<tools>" in system["content"] and "<tool_call>" in system["content"]
         # 4 live_irrelevance entries offer no function at all (real data); all others do.
         assert p.meta["function_names"] or p.meta["category"] == "live_irrelevance"
         for name in p.meta["function_names"]:

@@ -71,15 +71,20 @@ _BFCL_CLASS_DOCS = {
     "VehicleControlAPI": "vehicle_control.json",
 }
 
-# Modelled on BFCL's default prompting system prompt, answering in JSON instead of Python calls.
-_FC_SYSTEM = """You are an expert in composing functions. You are given a question and a set of possible functions. Based on the question, you will need to make one or more function calls to achieve the purpose.
-If none of the functions can be used, point it out. If the given question lacks the parameters required by the function, also point it out.
-
-If you decide to invoke any of the function(s), reply with only a JSON list of calls and no other text, in this format:
-[{{"name": "func_name1", "arguments": {{"param1": value1, "param2": value2}}}}, {{"name": "func_name2", "arguments": {{...}}}}]
+# The tool-calling layout small instruct models such as SmolLM2 were tuned on: schemas inside
+# <tools>, calls as a JSON list inside <tool_call>. (Answers in JSON rather than BFCL's Python calls.)
+_FC_SYSTEM = """You are an expert in composing functions. You are given a question and a set of possible functions. Based on the question, you will need to make one or more function/tool calls to achieve the purpose.
+If none of the functions can be used, point it out and refuse to answer. If the given question lacks the parameters required by the function, also point it out.
 {extra}
-Here is a list of functions in JSON format that you can invoke:
-{functions}
+You have access to the following tools:
+<tools>{functions}</tools>
+
+The output MUST strictly adhere to the following format, and NO other text MUST be included.
+Make sure every argument has the right type. If no function call is needed, make the tool calls an empty list '[]'.
+<tool_call>[
+{{"name": "func_name1", "arguments": {{"argument1": "value1", "argument2": "value2"}}}},
+... (more tool calls as required)
+]</tool_call>
 """
 _FC_MULTI_EXTRA = (
     "At each turn, try your best to complete the tasks requested by the user within the current turn. "
