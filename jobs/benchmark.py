@@ -158,10 +158,11 @@ def bench_spec(args) -> str:
     n_per = 3 if args.quick else 6
     prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens)
     methods: dict[str, object] = {"greedy": None}
-    for name in args.drafters:
+    for name in args.drafters:  # "<drafter>-tree" = that drafter with tree drafts
+        base, tree = (name[:-5], True) if name.endswith("-tree") else (name, False)
         try:
-            methods[name] = make_drafter(name, model, eagle3_head=args.eagle3_head, slots=1,
-                                         max_len=args.max_prompt_tokens + args.max_tokens + 64, tree=args.tree)
+            methods[name] = make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1,
+                                         max_len=args.max_prompt_tokens + args.max_tokens + 64, tree=tree)
         except ValueError as e:
             print(f"skipping {name}: {e}", file=sys.stderr)
     engines = {m: Engine(model, drafters=[d] if d else [], max_batch=1,
@@ -199,7 +200,7 @@ def bench_spec(args) -> str:
         f"Machine: {machine_line()}  ",
         f"Model: SmolLM2-135M-Instruct, bf16, greedy, up to {args.max_tokens} new tokens, "
         f"{n_per} held-out (test split) prompts per workload of <= {args.max_prompt_tokens} tokens, "
-        f"draft budget {args.num_draft_tokens} tokens{' (tree drafts)' if args.tree else ''}; "
+        f"draft budget {args.num_draft_tokens} tokens (`-tree` = tree drafts); "
         "every method runs on a prompt before the next prompt (interleaved). The suffix drafter's global "
         "tree starts empty and fills with this run's outputs.",
         "",
@@ -231,9 +232,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["engine", "spec"])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
-    ap.add_argument("--drafters", nargs="+", default=["suffix", "layerskip"])
+    ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
     ap.add_argument("--eagle3-head", default=None)
-    ap.add_argument("--tree", action="store_true", help="tree drafts where the drafter supports them")
     ap.add_argument("--num-draft-tokens", type=int, default=16)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")

@@ -1,8 +1,8 @@
 """The decoding loop, per-request state and text handling."""
 
-from .engine import Engine, StepOutput
+from .engine import Choice, Engine, StepOutput
 from .request import Request, RequestStats, SamplingParams, StepRecord
 from .text import TextStreamer, trim_at_stop
 
-__all__ = ["Engine", "Request", "RequestStats", "SamplingParams", "StepOutput", "StepRecord",
+__all__ = ["Choice", "Engine", "Request", "RequestStats", "SamplingParams", "StepOutput", "StepRecord",
            "TextStreamer", "trim_at_stop"]

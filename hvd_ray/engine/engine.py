@@ -23,7 +23,21 @@ from ..verification.sampling import sample
 from ..verification.tree import tree_depths
 from .request import Request, SamplingParams, StepRecord
 
-Policy = Callable[[Request, "Engine"], Drafter | None]
+@dataclass
+class Choice:
+    """A policy's decision for one request and step: which source drafts, optionally the draft
+    itself (when the policy had to draft to decide) and the predicted accepted length."""
+
+    drafter: Drafter | None
+    draft: Draft | None = None
+    predicted: float | None = None
+
+
+def as_choice(x: "Choice | Drafter | None") -> Choice:
+    return x if isinstance(x, Choice) else Choice(x)
+
+
+Policy = Callable[[Request, "Engine"], "Choice | Drafter | None"]
 
 
 @dataclass
@@ -157,26 +171,35 @@ class Engine:
             toks.append(int(sample(probs, r.generator)))
         return toks
 
-    def _drafts(self, reqs: list[Request]) -> list[Draft]:
-        """Ask each request's chosen draft source for a draft, batching requests per source."""
+    def _budget(self, r: Request) -> int:
+        return max(0, min(self.num_draft_tokens, r.params.max_tokens - len(r.output) - 1,
+                          self.max_len - self.model.cache.lengths[r.slot] - 1))
+
+    def _drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[float | None]]:
+        """Each request's draft for this step, from the source its policy chose.
+
+        A policy returns a drafter (or None), or a :class:`Choice` that may carry a draft it already
+        made (a selection policy drafts from the cache to decide) and its predicted yield. Requests
+        without a ready draft are drafted in one ``propose`` call per source, so model drafters batch.
+        """
         default = self.drafters[0] if self.drafters else None
-        sources = [self.policy(r, self) if self.policy else default for r in reqs]
+        choices = [as_choice(self.policy(r, self) if self.policy else default) for r in reqs]
         drafts: list[Draft] = [Draft() for _ in reqs]
-        for src in {id(s): s for s in sources if s is not None}.values():
-            idxs = [i for i, s in enumerate(sources) if s is src]
-            asks = []
-            for i in idxs:
-                r = reqs[i]
-                budget = min(self.num_draft_tokens, r.params.max_tokens - len(r.output) - 1,
-                             self.max_len - self.model.cache.lengths[r.slot] - 1)
-                asks.append(DraftRequest(r.req_id, r.slot, r.tokens, max(budget, 0)))
-            for i, ask, d in zip(idxs, asks, src.propose(asks)):
-                drafts[i] = d.truncated(ask.max_tokens)
-        return drafts
+        for src in {id(c.drafter): c.drafter for c in choices if c.drafter is not None}.values():
+            idxs = [i for i, c in enumerate(choices) if c.drafter is src and c.draft is None]
+            if idxs:
+                asks = [DraftRequest(reqs[i].req_id, reqs[i].slot, reqs[i].tokens, self._budget(reqs[i]))
+                        for i in idxs]
+                for i, d in zip(idxs, src.propose(asks)):
+                    choices[i].draft = d
+        for i, (r, c) in enumerate(zip(reqs, choices)):
+            if c.draft is not None:
+                drafts[i] = c.draft.truncated(self._budget(r))
+        return drafts, [c.predicted for c in choices]
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        drafts = self._drafts(reqs)
+        drafts, predicted = self._drafts(reqs)
         t1 = time.perf_counter()
         dev = self.model.device
         B = len(reqs)
@@ -214,7 +237,7 @@ class Engine:
             req.stats.target_forwards += 1
             t2 = time.perf_counter()
             req.stats.steps.append(StepRecord(d.source or "none", len(d), len(path),
-                                              (t1 - t0) / B, (t2 - t1) / B))
+                                              (t1 - t0) / B, (t2 - t1) / B, predicted[b]))
             results.append(self._emit(req, emitted))
         dt = time.perf_counter() - t0
         for r in reqs:

@@ -1,0 +1,11 @@
+"""Ray Serve deployments: the OpenAI-compatible ingress and the model replica.
+
+``build_app(args)`` returns the Serve application; ``serve_app.app`` (repo root) exposes it for
+``serve run serve_app:app`` and ``serve run config.yaml``; ``python -m hvd_ray.serving`` starts a
+local Ray + Serve on 127.0.0.1:8000 and blocks.
+"""
+
+from .app import build_app
+from .config import ServingConfig
+
+__all__ = ["ServingConfig", "build_app"]

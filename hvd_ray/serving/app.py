@@ -1,0 +1,37 @@
+"""``build_app(args) -> Application``: the Serve application (ingress -> model replica).
+
+Serve calls an *application builder* with the ``args`` of a config file (``serve run config.yaml``)
+or the ``key=value`` pairs of ``serve run serve_app:app key=value``; ``serve_app.app`` is this
+builder. Deployment options (replicas, autoscaling, resources) come from the same args, so one
+file describes the whole application; a ``deployments:`` section in a Serve config file still
+overrides them, as usual in Serve.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from .config import ServingConfig
+
+
+def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application:
+    cfg = args if isinstance(args, ServingConfig) else ServingConfig.model_validate(dict(args or {}))
+    from .ingress import OpenAIIngress
+    from .replica import ModelReplica
+
+    conf = cfg.model_dump()
+    actor = dict(cfg.ray_actor_options)
+    if cfg.device.startswith("cuda") and "num_gpus" not in actor:
+        actor["num_gpus"] = 1
+    opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": cfg.replica_max_ongoing()}
+    if cfg.autoscaling_config is not None:
+        auto = {"target_ongoing_requests": cfg.max_batch, **cfg.autoscaling_config}
+        opts["autoscaling_config"] = auto
+    else:
+        opts["num_replicas"] = cfg.num_replicas or 1
+    replica = ModelReplica.options(**opts).bind(conf)
+    ingress = OpenAIIngress.options(ray_actor_options=dict(cfg.ingress_ray_actor_options),
+                                    num_replicas=cfg.ingress_num_replicas)
+    return ingress.bind(replica, conf)

@@ -1,0 +1,95 @@
+"""The serving configuration: the ``args`` of ``serve run config.yaml`` and of ``build_app``.
+
+One flat pydantic model, so a typo in a config file fails at deploy time with the field's name
+instead of being silently ignored (``extra="forbid"``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..drafters import DRAFTERS
+
+
+class ServingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # --- what is served
+    model: str = Field("default", description="'default' or a local HF Llama/Qwen2/Qwen3 safetensors folder")
+    served_model_name: str | None = Field(None, description="the id clients send as `model` (default: `model`)")
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    drafter: str = "suffix"
+    num_draft_tokens: int = Field(8, ge=0, le=64)
+    draft_model: str | None = None
+    eagle3_head: str | None = None
+    layerskip: str | None = Field(None, description="skip spec for --drafter layerskip (default: the drafter's)")
+
+    # --- engine limits
+    max_batch: int = Field(4, ge=1, le=256, description="KV-cache slots = requests decoded together")
+    max_model_len: int = Field(2048, ge=16, description="context per request (prompt + output); capped by the model")
+    max_tokens: int = Field(1024, ge=1, description="the largest `max_tokens` a request may ask for (and the default)")
+    torch_threads: int | None = Field(2, ge=1, description="torch threads per replica (capped by the core count)")
+
+    # --- HTTP
+    api_key: str | None = Field(None, description="require `Authorization: Bearer <api_key>` (env HVD_RAY_API_KEY)")
+
+    # --- Ray Serve deployment options
+    num_replicas: int | None = Field(None, ge=1, description="fixed replica count (instead of autoscaling_config)")
+    autoscaling_config: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    max_ongoing_requests: int | None = Field(None, ge=1, description="per replica (default: 2 x max_batch)")
+    ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
+    ingress_num_replicas: int = Field(1, ge=1)
+
+    @field_validator("drafter")
+    @classmethod
+    def _known_drafter(cls, v: str) -> str:
+        if v not in DRAFTERS:
+            raise ValueError(f"unknown drafter {v!r}; choose from {', '.join(DRAFTERS)}")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        from ..model import parse_dtype
+
+        parse_dtype(v)
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServingConfig":
+        if self.api_key is None and os.environ.get("HVD_RAY_API_KEY"):
+            self.api_key = os.environ["HVD_RAY_API_KEY"]
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})")
+        if self.drafter == "draft-model" and not self.draft_model:
+            raise ValueError("drafter 'draft-model' needs draft_model (a folder sharing the tokenizer)")
+        if self.drafter == "eagle3" and not self.eagle3_head:
+            raise ValueError("drafter 'eagle3' needs eagle3_head (a folder with an EAGLE-3 head)")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        """The id reported by /v1/models."""
+        return self.served_model_name or self.model
+
+    def accepted_model_names(self) -> set[str]:
+        """Names a request's `model` field may carry (the served id plus the model's aliases)."""
+        from ..model.registry import ALIASES, DEFAULT_MODEL
+
+        names = {self.model_id, self.model}
+        if self.model.lower() in ALIASES:
+            names |= set(ALIASES) | {DEFAULT_MODEL}
+        else:
+            names.add(Path(self.model).name)
+        return names
+
+    def replica_max_ongoing(self) -> int:
+        return self.max_ongoing_requests or 2 * self.max_batch

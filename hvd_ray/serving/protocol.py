@@ -1,0 +1,217 @@
+"""OpenAI wire format: request models (pydantic), response/chunk builders and error bodies.
+
+Only what the server implements is modelled; unknown fields are ignored (clients such as the
+official ``openai`` package send extra fields), while fields we cannot honour (``n > 1``,
+``logprobs``, penalties, tools, ...) are rejected with a 400 naming the parameter rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------------------------ requests
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # extension (vLLM); 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)  # extension (vLLM)
+    ignore_eos: StrictBool = False  # extension (vLLM)
+    n: int = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """Raise APIError(400) for parameters the server accepts syntactically but cannot honour."""
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+        if self.presence_penalty or self.frequency_penalty:
+            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            raise APIError(400, f"{param} is not supported (must be 0)", param=param, code="unsupported_value")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]  # "" would match everywhere
+
+    def sampling(self, max_tokens: int | None) -> dict:
+        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list(),
+                "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: StrictBool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs is not supported", param="logprobs", code="unsupported_value")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+
+    def single_prompt(self) -> dict:
+        """{'prompt': str} or {'prompt_token_ids': [...]}; one prompt per request."""
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "prompt is empty", param="prompt")
+            return {"prompt": p}
+        if not p:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if all(isinstance(t, int) for t in p):
+            return {"prompt_token_ids": list(p)}
+        raise APIError(400, "only one prompt per request is supported", param="prompt", code="unsupported_value")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"unsupported content part type {part.get('type')!r} (text only)",
+                               param="messages", code="unsupported_value")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs is not supported", param="logprobs", code="unsupported_value")
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools", code="unsupported_value")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "response_format other than text is not supported", param="response_format",
+                           code="unsupported_value")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict]:
+        # 'developer' is OpenAI's newer name for 'system'; templates only know the latter
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+# ----------------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, object: str, use: dict) -> dict:
+    return {"id": rid, "object": object, "created": created, "model": model, "choices": [], "usage": use}

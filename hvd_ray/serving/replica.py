@@ -1,0 +1,385 @@
+"""The model replica: one target model + Engine, driven by a background thread.
+
+Continuous batching at step granularity: the engine loop thread is the only code that touches the
+Engine. Requests arrive through a thread-safe inbox that the loop drains between steps (new
+requests join, aborted ones leave), and every ``StepOutput`` is handed to the owning request's
+asyncio queue with ``loop.call_soon_threadsafe``. torch releases the GIL inside its ops, so the
+replica's event loop keeps serving (tokenising, detokenising, streaming) while a step runs.
+
+``generate`` is an async generator (called through a streaming DeploymentHandle) yielding plain
+dicts, first ``{"type": "start", ...}`` or ``{"type": "error", ...}``, then ``delta`` events and a
+final ``finish`` event. Errors are events rather than exceptions so their status and message cross
+the handle intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+from ray import serve
+
+from ..engine.text import trim_at_stop
+from .config import ServingConfig
+
+logger = logging.getLogger("ray.serve")
+
+
+# ------------------------------------------------------------------------------------- text
+class StopAwareText:
+    """Incremental detokenisation that never streams text a stop string might still swallow.
+
+    Holds back an unfinished UTF-8 character and the longest tail that is a prefix of a stop
+    string; once a stop string appears the text is cut before it (OpenAI semantics).
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok = tokenizer
+        self.stops = [s for s in stops if s]
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, tokens: list[int]) -> str:
+        if self.stopped:
+            return ""
+        self.ids += tokens
+        self.text = self.tok.decode(self.ids, skip_special_tokens=True)
+        cut = trim_at_stop(self.text, self.stops)
+        if cut is not None:
+            self.stopped = True
+            self.text = cut
+            return self._advance(len(cut))
+        end = len(self.text)
+        while end > self.sent and self.text[end - 1] == "\ufffd":
+            end -= 1
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, end), hold, -1):
+                if self.text.endswith(s[:k], 0, end):
+                    hold = k
+                    break
+        return self._advance(end - hold)
+
+    def flush(self) -> str:
+        return self._advance(len(self.text))
+
+    def _advance(self, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        piece, self.sent = self.text[self.sent : end], end
+        return piece
+
+
+# ------------------------------------------------------------------------------------ metrics
+class _Metrics:
+    """A few real Serve metrics (Prometheus via Ray's metrics agent), tagged per replica by Serve."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.requests = metrics.Counter("hvd_requests_total", "Finished generation requests.",
+                                        tag_keys=("finish_reason",))
+        self.tokens = metrics.Counter("hvd_generated_tokens_total", "Generated (completion) tokens.")
+        self.forwards = metrics.Counter("hvd_target_forwards_total", "Target forwards (prefill included).")
+        self.ttft = metrics.Histogram("hvd_time_to_first_token_seconds", "Time from arrival to the first token.",
+                                      boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30])
+        self.mat = metrics.Gauge("hvd_mean_accepted_tokens_per_forward",
+                                 "Mean tokens emitted per decoding target forward since the replica started.")
+        self.waiting = metrics.Gauge("hvd_queue_length", "Requests waiting for a KV-cache slot.")
+        self.running = metrics.Gauge("hvd_running_requests", "Requests holding a KV-cache slot.")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineLoop:
+    """Owns an Engine and runs ``step()`` on one thread while any request is unfinished."""
+
+    def __init__(self, engine, metrics: _Metrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: deque = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._reqs: dict[str, tuple] = {}  # req_id -> (engine Request, _Stream)
+        self._stop = False
+        self.error: BaseException | None = None
+        # cumulative figures (read by stats(); written by the loop thread only)
+        self.decode_tokens = 0
+        self.decode_steps = 0
+        self.finished = 0
+        self.aborted = 0
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="hvd-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop
+    def submit(self, prompt_ids: list[int], params, req_id: str, stream: _Stream) -> None:
+        self._post(("add", prompt_ids, params, req_id, stream))
+
+    def abort(self, req_id: str) -> None:
+        self._post(("abort", req_id))
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def _post(self, item) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop failed: {self.error!r}")
+        with self._lock:
+            self._inbox.append(item)
+        self._wake.set()
+
+    def stats(self) -> dict:
+        eng = self.engine
+        return {"waiting": len(eng.waiting), "running": len(eng.running), "free_slots": len(eng.free_slots),
+                "steps": self.steps, "finished": self.finished, "aborted": self.aborted,
+                "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
+                "healthy": self.error is None and self._thread.is_alive()}
+
+    # ---- the loop thread
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._inbox = list(self._inbox), deque()
+        for item in items:
+            if item[0] == "add":
+                _, ids, params, req_id, stream = item
+                try:
+                    req = self.engine.add_request(ids, params, req_id)
+                except ValueError as e:  # validated before submit; a last line of defence
+                    self._deliver(stream, {"type": "error", "status": 400, "message": str(e)})
+                    continue
+                self._reqs[req_id] = (req, stream)
+            else:
+                req_id = item[1]
+                self.engine.abort(req_id)
+                entry = self._reqs.get(req_id)
+                if entry is not None and entry[0].slot < 0:  # never admitted: gone without a StepOutput
+                    del self._reqs[req_id]
+                    self.aborted += 1
+
+    def _deliver(self, stream: _Stream, payload) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, payload)
+        except RuntimeError:  # the request's event loop is gone
+            pass
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._publish_queue()
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
+                self.error = e
+                logger.error("engine step failed:\n%s", traceback.format_exc())
+                for _, stream in self._reqs.values():
+                    self._deliver(stream, {"type": "error", "status": 500, "message": f"engine failure: {e!r}",
+                                           "error_type": "server_error"})
+                self._reqs.clear()
+                return  # check_health now fails and Serve replaces this replica
+            self.steps += 1
+            for out in outs:
+                self._dispatch(out)
+            self._publish_queue()
+
+    def _dispatch(self, out) -> None:
+        entry = self._reqs.get(out.req_id)
+        if entry is None:
+            return
+        req, stream = entry
+        payload = {"type": "tokens", "tokens": out.new_tokens, "finished": out.finished,
+                   "finish_reason": out.finish_reason}
+        if out.finished:
+            del self._reqs[out.req_id]
+            if out.finish_reason != "abort":
+                summary = req.stats.summary(len(req.output))
+                payload["stats"] = summary
+                n_steps = len(req.stats.steps)
+                self.decode_steps += n_steps
+                self.decode_tokens += sum(s.accepted + 1 for s in req.stats.steps)
+                if self.metrics:
+                    self.metrics.forwards.inc(summary["target_forwards"])
+                    if self.decode_steps:
+                        self.metrics.mat.set(self.decode_tokens / self.decode_steps)
+            if out.finish_reason == "abort":
+                self.aborted += 1
+            else:
+                self.finished += 1
+        self._deliver(stream, payload)
+
+    def _publish_queue(self) -> None:
+        if self.metrics:
+            self.metrics.waiting.set(len(self.engine.waiting))
+            self.metrics.running.set(sum(1 for r in self.engine.running if not r.finished))
+
+
+# ------------------------------------------------------------------------------ the deployment
+@serve.deployment(name="ModelReplica", max_ongoing_requests=8, health_check_period_s=10)
+class ModelReplica:
+    """Holds the target model and an Engine with the configured drafter."""
+
+    def __init__(self, config: dict):
+        cfg = ServingConfig.model_validate(config)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import torch
+
+        from ..drafters import make_drafter
+        from ..engine import Engine
+        from ..model import load
+
+        if cfg.torch_threads:
+            torch.set_num_threads(max(1, min(cfg.torch_threads, os.cpu_count() or 1)))
+        self.cfg = cfg
+        self.model, self.tok = load(cfg.model, cfg.dtype, cfg.device)
+        max_len = min(cfg.max_model_len, self.model.cfg.max_position)
+        drafter = make_drafter(cfg.drafter, self.model, draft_model=cfg.draft_model, eagle3_head=cfg.eagle3_head,
+                               skip=cfg.layerskip, slots=cfg.max_batch, max_len=max_len)
+        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+        self.engine = Engine(self.model, drafters=[drafter] if drafter else [], max_batch=cfg.max_batch,
+                             max_len=max_len, num_draft_tokens=cfg.num_draft_tokens if drafter else 0,
+                             eos_token_ids=eos,
+                             detokenize=lambda t: self.tok.decode(t, skip_special_tokens=True))
+        try:
+            self.metrics: _Metrics | None = _Metrics()
+        except Exception:  # noqa: BLE001 - metrics must never keep a replica from serving
+            logger.warning("metrics disabled:\n%s", traceback.format_exc())
+            self.metrics = None
+        self.loop = EngineLoop(self.engine, self.metrics)
+        logger.info("ModelReplica ready: model=%s dtype=%s drafter=%s max_batch=%d max_len=%d threads=%d",
+                    cfg.model, cfg.dtype, cfg.drafter, cfg.max_batch, self.engine.max_len, torch.get_num_threads())
+
+    # ---- Serve hooks
+    def check_health(self) -> None:
+        if self.loop.error is not None or not self.loop._thread.is_alive():
+            raise RuntimeError(f"engine loop is not running: {self.loop.error!r}")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown()
+
+    # ---- methods called by the ingress
+    def info(self) -> dict:
+        return {"model": self.cfg.model_id, "max_model_len": self.engine.max_len,
+                "max_tokens": self.cfg.max_tokens, "drafter": self.cfg.drafter, "dtype": self.cfg.dtype}
+
+    def stats(self) -> dict:
+        return self.loop.stats()
+
+    def _tokenize(self, req: dict) -> tuple[list[int], str]:
+        if req.get("messages") is not None:
+            try:
+                text = self.tok.apply_chat_template(req["messages"], tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template rejecting the conversation is a client error
+                raise _ClientError(f"the chat template rejected the messages: {e}", "messages")
+            return self.tok(text, add_special_tokens=False)["input_ids"], "messages"
+        if req.get("prompt_token_ids") is not None:
+            ids = list(req["prompt_token_ids"])
+            vocab = self.model.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise _ClientError(f"prompt token ids must be in [0, {vocab})", "prompt")
+            return ids, "prompt"
+        return self.tok(req["prompt"])["input_ids"], "prompt"
+
+    def _params(self, req: dict, n_prompt: int, param: str):
+        from ..engine import SamplingParams
+
+        sp = dict(req["params"])
+        room = self.engine.max_len - n_prompt - self.engine.num_draft_tokens - 1
+        if room < 1:
+            raise _ClientError(f"the prompt is {n_prompt} tokens, which leaves no room to generate in this "
+                               f"model's context of {self.engine.max_len} tokens", param,
+                               code="context_length_exceeded")
+        if sp["max_tokens"] is None:
+            sp["max_tokens"] = min(self.cfg.max_tokens, room)
+        elif sp["max_tokens"] > room:
+            raise _ClientError(f"the prompt ({n_prompt} tokens) + max_tokens ({sp['max_tokens']}) exceeds this "
+                               f"model's context of {self.engine.max_len} tokens (at most {room} new tokens "
+                               "fit)", "max_tokens", code="context_length_exceeded")
+        try:
+            return SamplingParams(**sp)
+        except (TypeError, ValueError) as e:
+            raise _ClientError(str(e), None)
+
+    async def generate(self, req: dict):
+        """Stream one request: start|error, then delta events, then finish."""
+        t0 = time.perf_counter()
+        try:
+            ids, param = self._tokenize(req)
+            if not ids:
+                raise _ClientError("the prompt is empty", param)
+            params = self._params(req, len(ids), param)
+        except _ClientError as e:
+            yield {"type": "error", "status": 400, "message": e.message, "param": e.param, "code": e.code}
+            return
+        req_id = req.get("request_id") or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        try:
+            self.loop.submit(ids, params, req_id, stream)
+        except RuntimeError as e:
+            yield {"type": "error", "status": 503, "message": str(e), "error_type": "server_error"}
+            return
+        yield {"type": "start", "prompt_tokens": len(ids)}
+        text = StopAwareText(self.tok, params.stop)
+        n_out, first, done = 0, True, False
+        try:
+            while True:
+                ev = await stream.queue.get()
+                if ev["type"] == "error":
+                    done = True
+                    yield ev
+                    return
+                if first and ev["tokens"]:
+                    first = False
+                    if self.metrics:
+                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                n_out += len(ev["tokens"])
+                piece = text.push(ev["tokens"])
+                finish = ev["finish_reason"] if ev["finished"] else None
+                if text.stopped and not ev["finished"]:
+                    # a stop string the engine's window missed: end the request here
+                    self.loop.abort(req_id)
+                    finish = "stop"
+                if finish is not None and not text.stopped:
+                    piece += text.flush()
+                if piece:
+                    yield {"type": "delta", "text": piece}
+                if finish is not None:
+                    done = True
+                    if self.metrics:
+                        self.metrics.tokens.inc(n_out)
+                        self.metrics.requests.inc(tags={"finish_reason": finish})
+                    yield {"type": "finish", "finish_reason": finish, "prompt_tokens": len(ids),
+                           "completion_tokens": n_out, "stats": ev.get("stats")}
+                    return
+        finally:
+            if not done:  # client went away (generator closed / cancelled): free the slot
+                self.loop.abort(req_id)
+                if self.metrics:
+                    self.metrics.tokens.inc(n_out)
+                    self.metrics.requests.inc(tags={"finish_reason": "abort"})
+
+
+class _ClientError(Exception):
+    def __init__(self, message: str, param: str | None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code

@@ -1,0 +1,52 @@
+"""Parquet schema of the label files ``jobs/label_traces.py`` writes (one row per trace position).
+
+Row (prompt_id, t) describes the decoding step that would start when the request's output holds
+``t`` tokens (``t >= 1``: the first token comes from prefill). At that point the context is
+``prompt + output[:t]`` and a draft proposes ``output[t:]``:
+
+* ``phi``: the feature vector φ_t (``selection/features.py``; names and version in the schema
+  metadata key ``hvd_ray.feature_spec`` and in ``_labels_meta.json`` next to the files);
+* ``y_cache``: the oracle label — the length of the longest prefix of the cache (suffix) draft that
+  matches the recorded continuation; with greedy verification that is exactly the number of draft
+  tokens the target accepts; ``cache_len``/``cache_score``/``cache_source``: that draft;
+* ``y_model``/``model_len``: the same for the model drafter (0/0 when none is configured);
+* ``budget``: the engine's draft budget at t (``min(max_draft, max_tokens - t - 1)``);
+* ``remaining``: ``len(output) - t``; labels are cut at the trace's end (a draft can match at most
+  ``remaining`` tokens; at a ``stop`` finish the EOS token itself is not in the trace);
+* ``step_start``: whether t is where a step starts in the simulated decoding run that supplies the
+  history features; ``sim_cache``: at step starts, whether that run verified the cache draft.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+LABEL_VERSION = 1
+SPEC_KEY = b"hvd_ray.feature_spec"
+META_FILE = "_labels_meta.json"  # the leading "_" keeps parquet readers from treating it as data
+
+LABEL_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("workload", pa.string(), nullable=False),
+        pa.field("split", pa.string(), nullable=False),
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("t", pa.int32(), nullable=False),
+        pa.field("remaining", pa.int32(), nullable=False),
+        pa.field("budget", pa.int32(), nullable=False),
+        pa.field("step_start", pa.bool_(), nullable=False),
+        pa.field("sim_cache", pa.bool_()),
+        pa.field("phi", pa.list_(pa.float32()), nullable=False),
+        pa.field("cache_len", pa.int32(), nullable=False),
+        pa.field("cache_score", pa.float32(), nullable=False),
+        pa.field("cache_source", pa.string(), nullable=False),
+        pa.field("y_cache", pa.int32(), nullable=False),
+        pa.field("model_len", pa.int32(), nullable=False),
+        pa.field("y_model", pa.int32(), nullable=False),
+    ]
+)
+
+
+def label_schema(spec_json: str) -> pa.Schema:
+    """:data:`LABEL_SCHEMA` with the feature spec attached as metadata."""
+    return LABEL_SCHEMA.with_metadata({SPEC_KEY: spec_json.encode()})

@@ -1,0 +1,67 @@
+"""cluster.yaml passes Ray's own cluster-launcher validation (schema + defaults), offline."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
+
+
+def _load() -> dict:
+    return yaml.safe_load(CLUSTER_YAML.read_text())
+
+
+def _prepare_and_validate(config: dict) -> dict:
+    """What `ray up` does before talking to the cloud: merge the provider defaults, then validate
+    against ray-schema.json (the provider bootstrap, which calls AWS, is deliberately skipped)."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    return prepared
+
+
+def test_cluster_yaml_passes_ray_validation():
+    cfg = _load()
+    prepared = _prepare_and_validate(cfg)
+    types = prepared["available_node_types"]
+    head = types[prepared["head_node_type"]]
+    workers = {k: v for k, v in types.items() if k != prepared["head_node_type"]}
+    assert head["resources"].get("GPU", 0) == 0, "the head node type is CPU-only"
+    gpu_types = [v for v in workers.values() if v["resources"].get("GPU", 0) >= 1]
+    assert gpu_types, "a GPU worker node type is declared"
+    for w in gpu_types:
+        assert 0 <= w["min_workers"] <= w["max_workers"] <= prepared["max_workers"]
+        assert w["max_workers"] >= 1
+    assert prepared["idle_timeout_minutes"] > 0
+    assert prepared["provider"]["type"] == "aws"
+
+
+def test_cluster_yaml_installs_this_package():
+    cfg = _load()
+    setup = " && ".join(cfg["setup_commands"])
+    assert "pip install" in setup and "-e ." in setup
+    assert any(Path(src) == Path(".") for src in cfg["file_mounts"].values()), "the repository is synced"
+    assert ".venv" in cfg.get("rsync_exclude", []), "the local virtualenv is not uploaded"
+
+
+@pytest.mark.parametrize("breakage", ["unknown_key", "bad_type", "head_not_a_type", "min_over_global_max"])
+def test_ray_validation_rejects_broken_variants(breakage):
+    """The validator is not vacuous: a broken copy of cluster.yaml fails it."""
+    import jsonschema
+
+    cfg = _load()
+    if breakage == "unknown_key":
+        cfg["available_node_types"]["worker.gpu"]["min_wokers"] = 1
+    elif breakage == "bad_type":
+        cfg["idle_timeout_minutes"] = "ten"
+    elif breakage == "head_not_a_type":
+        cfg["head_node_type"] = "no.such.type"
+    else:
+        cfg["available_node_types"]["worker.gpu"]["min_workers"] = cfg["max_workers"] + 1
+    with pytest.raises((jsonschema.ValidationError, ValueError)):
+        _prepare_and_validate(cfg)
