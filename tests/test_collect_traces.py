@@ -139,12 +139,28 @@ def test_vllm_backend_fails_clearly_when_missing():
         VllmGenerator("/nonexistent", "bfloat16", "cpu", max_batch=2)
 
 
-def test_user_prompt_file_input(tmp_path):
+def _job_module():
     sys.path.insert(0, str(ROOT / "jobs"))
     try:
         import collect_traces as job
     finally:
         sys.path.remove(str(ROOT / "jobs"))
+    return job
+
+
+def test_job_refuses_vllm_backend_without_vllm(tmp_path, capsys):
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vllm is installed here")
+    except ImportError:
+        pass
+    rc = _job_module().main(["--workload", "code", "--backend", "vllm", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "pip install 'hvd-ray[vllm]'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_user_prompt_file_input(tmp_path):
+    job = _job_module()
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"id": f"u{i}", "prompt": f"Say {i}."}) + "\n" for i in range(5)))
     args = job.parse_args(["--prompts", str(f), "--limit", "3", "--out", str(tmp_path / "o")])

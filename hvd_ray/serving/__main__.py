@@ -40,6 +40,10 @@ def _from_file(path: str) -> tuple[dict, dict]:
     return dict(apps[0].get("args") or {}), dict(conf.get("http_options") or {})
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
         print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        signal.signal(signal.SIGTERM, _interrupt)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

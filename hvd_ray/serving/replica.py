@@ -355,9 +355,9 @@ class ModelReplica:
                 n_out += len(ev["tokens"])
                 piece = text.push(ev["tokens"])
                 finish = ev["finish_reason"] if ev["finished"] else None
-                if text.stopped and not ev["finished"]:
-                    # a stop string the engine's window missed: end the request here
-                    self.loop.abort(req_id)
+                if text.stopped:
+                    if not ev["finished"]:  # a stop string the engine's window missed: end it here
+                        self.loop.abort(req_id)
                     finish = "stop"
                 if finish is not None and not text.stopped:
                     piece += text.flush()

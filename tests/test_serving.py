@@ -1,0 +1,447 @@
+"""The Ray Serve application end to end: a real local Ray + Serve, the real default model, HTTP.
+
+One application for the whole module (fp32, suffix drafter, max_batch 4, an API key), reached
+through httpx and through the official ``openai`` client. Greedy fp32 output must equal the CLI's
+(plain greedy decoding) and concurrent requests must equal their sequential outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+slow = pytest.mark.slow  # the integration tests (real Ray + Serve + model); the unit tests below are fast
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "sk-hvd-test"
+CONFIG = {"model": "default", "dtype": "float32", "drafter": "suffix", "max_batch": 4, "max_model_len": 1024,
+          "max_tokens": 512, "api_key": API_KEY, "torch_threads": 2,
+          "ray_actor_options": {"num_cpus": 0.5}, "ingress_ray_actor_options": {"num_cpus": 0.1}}
+PROMPT = "The capital of France is"
+CHAT = "Name three colours."
+N = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(default_folder):  # default_folder: the model is provisioned before Ray starts
+    import ray
+    from ray import serve
+
+    from hvd_ray.serving import build_app
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        started = True
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(CONFIG), name="hvd-test", route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    import httpx
+
+    with httpx.Client(base_url=base_url, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def _complete(http, **body) -> dict:
+    r = http.post("/v1/completions", json={"model": "default", "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _chat(http, content: str, **body) -> dict:
+    r = http.post("/v1/chat/completions", json={"model": "default", "temperature": 0,
+                                                 "messages": [{"role": "user", "content": content}], **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _sse(http, path: str, body: dict) -> list:
+    """The parsed `data:` events of a streamed response, ending with the literal '[DONE]'."""
+    events = []
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _cli(*args: str) -> str:
+    """The CLI's greedy text (plain decoding, fp32): what the server must reproduce."""
+    out = subprocess.run([sys.executable, "-m", "hvd_ray", "generate", "--dtype", "float32", "--threads", "2",
+                          "--drafter", "none", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith("\n")
+    return out.stdout[:-1]
+
+
+@pytest.fixture(scope="module")
+def greedy(http):
+    """Non-streamed greedy results, shared by several tests."""
+    return {"completion": _complete(http, prompt=PROMPT, max_tokens=N),
+            "chat": _chat(http, CHAT, max_tokens=N)}
+
+
+# ------------------------------------------------------------------------------------------ basics
+@slow
+def test_health_models_and_auth(base_url, http):
+    import httpx
+
+    assert httpx.get(f"{base_url}/health", timeout=60).json() == {"status": "ok"}  # no key needed
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "default"
+    assert models["data"][0]["max_model_len"] == 1024
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers,
+                       timeout=60)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@slow
+def test_greedy_completion_equals_cli(greedy):
+    res = greedy["completion"]
+    assert res["object"] == "text_completion" and res["model"] == "default"
+    choice = res["choices"][0]
+    assert choice["text"] == _cli("--prompt", PROMPT, "--max-tokens", str(N))
+    assert choice["finish_reason"] == "length"
+    assert res["usage"]["completion_tokens"] == N
+    assert res["usage"]["total_tokens"] == res["usage"]["prompt_tokens"] + N
+    from hvd_ray.model import load
+
+    _, tok = load("default", "float32")
+    assert res["usage"]["prompt_tokens"] == len(tok(PROMPT)["input_ids"])
+
+
+@slow
+def test_greedy_chat_equals_cli(greedy):
+    res = greedy["chat"]
+    assert res["object"] == "chat.completion"
+    msg = res["choices"][0]["message"]
+    assert msg["role"] == "assistant"
+    cli = _cli("--chat", "--prompt", CHAT, "--max-tokens", str(N))
+    assert msg["content"] == cli
+    assert res["choices"][0]["finish_reason"] in ("length", "stop")
+    assert res["usage"]["prompt_tokens"] > 20  # the template's system prompt is there
+
+
+@slow
+def test_streamed_equals_non_streamed(http, greedy):
+    ev = _sse(http, "/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                                         "stream": True})
+    assert ev[-1] == "[DONE]" and len(ev) > 3
+    chunks = ev[:-1]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == greedy["completion"]["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len({c["id"] for c in chunks}) == 1
+
+    ev = _sse(http, "/v1/chat/completions", {
+        "model": "default", "messages": [{"role": "user", "content": CHAT}], "max_tokens": N, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert ev[-1] == "[DONE]"
+    usage, chunks = ev[-2], ev[:-2]
+    assert usage["choices"] == [] and usage["usage"] == greedy["chat"]["usage"]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == greedy["chat"]["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == greedy["chat"]["choices"][0]["finish_reason"]
+
+
+@slow
+def test_openai_client(oai, greedy):
+    import openai
+
+    c = oai.completions.create(model="default", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert c.choices[0].text == greedy["completion"]["choices"][0]["text"]
+    assert c.usage.completion_tokens == N
+    ch = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": CHAT}],
+                                     max_tokens=N, temperature=0)
+    assert ch.choices[0].message.content == greedy["chat"]["choices"][0]["message"]["content"]
+    stream = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": CHAT}],
+                                         max_tokens=N, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == ch.choices[0].message.content
+    assert usage.total_tokens == ch.usage.total_tokens
+    assert [m.id for m in oai.models.list().data] == ["default"]
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model="default", prompt=PROMPT, max_tokens=2, n=2)
+    bad = openai.OpenAI(base_url=oai.base_url, api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+@slow
+def test_stop_strings(http, greedy):
+    full = greedy["completion"]["choices"][0]["text"]
+    assert "\n\n" in full, full  # " Paris.\n\nThe answer ..." for this model
+    want = full[: full.index("\n\n")]
+    res = _complete(http, prompt=PROMPT, max_tokens=N, stop="\n\n")
+    assert res["choices"][0]["text"] == want and res["choices"][0]["finish_reason"] == "stop"
+    assert res["usage"]["completion_tokens"] < N
+    # streamed: the held-back "\n" of a possible stop string must never leak into a chunk
+    ev = _sse(http, "/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                                         "stop": ["zzz", "\n\n"], "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in ev[:-1]) == want
+    assert ev[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+@slow
+def test_sampling(http):
+    # Seeded runs are not compared with each other: speculative sampling consumes its random stream
+    # according to the drafts, and the suffix drafter's global tree changes with every request.
+    body = dict(prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    res = _complete(http, **body)
+    assert res["choices"][0]["finish_reason"] in ("length", "stop")
+    assert 1 <= res["usage"]["completion_tokens"] <= 8
+
+
+@slow
+def test_concurrent_requests_equal_sequential(http):
+    prompts = ["def fibonacci(n):", "The three primary colours are", "In 1969, astronauts", "import numpy as np\n"]
+    seq = [_complete(http, prompt=p, max_tokens=20)["choices"][0]["text"] for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        conc = list(pool.map(lambda p: _complete(http, prompt=p, max_tokens=20)["choices"][0]["text"], prompts))
+    assert conc == seq
+
+
+@slow
+def test_metrics_are_exported(http):
+    """The replica's metrics reach Ray's Prometheus endpoint (exported every few seconds)."""
+    import httpx
+    import ray
+
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    want = ["ray_hvd_requests_total", "ray_hvd_generated_tokens_total", "ray_hvd_time_to_first_token_seconds",
+            "ray_hvd_mean_accepted_tokens_per_forward", "ray_hvd_queue_length"]
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        missing = [m for m in want if m not in text]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, missing
+    mat = [line for line in text.splitlines() if line.startswith("ray_hvd_mean_accepted_tokens_per_forward{")]
+    assert mat and float(mat[0].rsplit(" ", 1)[1]) >= 1.0
+
+
+# ------------------------------------------------------------------------------------------ errors
+@slow
+@pytest.mark.parametrize("path,body,status,param,code", [
+    ("/v1/completions", b"{not json", 400, None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "hello " * 1100, "max_tokens": 4}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "hello " * 600, "max_tokens": 500}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "max_tokens": 0}, 400, "max_tokens", None),
+])
+def test_errors_are_openai_shaped(http, path, body, status, param, code):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    if code:
+        assert err["code"] == code
+
+
+@slow
+def test_unknown_route_is_openai_shaped(http):
+    r = http.get("/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# ------------------------------------------------------------------------------------ cancellation
+def _wait_idle(http, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = http.get("/stats").json()
+        if s["running"] == 0 and s["waiting"] == 0:
+            return s
+        if time.monotonic() > deadline:
+            return s
+        time.sleep(0.25)
+
+
+@slow
+def test_client_disconnect_frees_the_slot(http):
+    before = _wait_idle(http)
+    body = {"model": "default", "prompt": "Count: one, two,", "max_tokens": 500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    got = 0
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    break  # leaving the block closes the connection mid-generation
+    t0 = time.monotonic()
+    after = _wait_idle(http, timeout=60)
+    # 500 tokens take minutes on this box; an aborted request is gone within a few steps
+    assert after["running"] == 0 and after["waiting"] == 0, after
+    assert after["aborted"] == before["aborted"] + 1
+    assert time.monotonic() - t0 < 60
+    res = _complete(http, prompt=PROMPT, max_tokens=4)
+    assert res["choices"][0]["finish_reason"] == "length" and res["usage"]["completion_tokens"] == 4
+    assert http.get("/health").json() == {"status": "ok"}
+
+
+@slow
+def test_client_timeout_on_non_streamed_request_frees_the_slot(base_url, http):
+    import httpx
+
+    before = _wait_idle(http)
+    body = {"model": "default", "prompt": "Count: one, two,", "max_tokens": 500, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{base_url}/v1/completions", json=body, headers=http.headers, timeout=3)
+    after = _wait_idle(http, timeout=60)
+    assert after["running"] == 0 and after["waiting"] == 0, after
+    assert after["aborted"] == before["aborted"] + 1
+
+
+# ------------------------------------------------------------------------------- fast unit tests
+class _CharTok:
+    """Ids are code points, except that ids 0, 1 are the two bytes of "é" (0 alone is unfinished)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\ufffd" if i == 0 else chr(i) for i in ids).replace("\ufffd\x01", "é")
+
+
+def _push_all(stops, text, tok_ids=None):
+    from hvd_ray.serving.replica import StopAwareText
+
+    st = StopAwareText(_CharTok(), stops)
+    pieces = [st.push([i]) for i in (tok_ids or [ord(c) for c in text])]
+    if not st.stopped:
+        pieces.append(st.flush())
+    return pieces, st.stopped
+
+
+def test_stop_text_cuts_and_never_leaks_a_partial_stop():
+    pieces, stopped = _push_all(["\n\n"], "ab\n\ncd")
+    assert stopped and "".join(pieces) == "ab" and pieces[2] == ""  # the first "\n" was held back
+    pieces, stopped = _push_all(["\n\n"], "a\nb")
+    assert not stopped and "".join(pieces) == "a\nb" and pieces[1] == "" and pieces[2] == "\nb"
+    pieces, stopped = _push_all(["END", "xyz"], "go ENx END")
+    assert stopped and "".join(pieces) == "go ENx "
+    pieces, stopped = _push_all([], "", tok_ids=[ord("a"), 0, 1, ord("b")])
+    assert pieces[:4] == ["a", "", "é", "b"]  # an unfinished character is never streamed
+
+
+def test_protocol_validation():
+    from hvd_ray.serving import protocol as P
+
+    assert P.CompletionRequest(prompt=["hi"]).single_prompt() == {"prompt": "hi"}
+    assert P.CompletionRequest(prompt=[1, 2, 3]).single_prompt() == {"prompt_token_ids": [1, 2, 3]}
+    assert P.CompletionRequest(prompt=[[4, 5]]).single_prompt() == {"prompt_token_ids": [4, 5]}
+    with pytest.raises(P.APIError) as e:
+        P.CompletionRequest(prompt=["a", "b"]).single_prompt()
+    assert e.value.status == 400 and e.value.param == "prompt"
+    assert P.CompletionRequest(prompt="x", stop=["", "a"]).stop_list() == ["a"]
+    assert P.CompletionRequest(prompt="x", stop="\n").stop_list() == ["\n"]
+    msg = P.ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
+    assert msg.text() == "ab"
+    with pytest.raises(P.APIError):
+        P.ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}]).text()
+    chat = P.ChatCompletionRequest(messages=[{"role": "developer", "content": "be brief"}], max_completion_tokens=5)
+    assert chat.chat_messages()[0]["role"] == "system" and chat.requested_max_tokens == 5
+    for bad in ({"n": 3}, {"presence_penalty": 0.5}, {"logprobs": True}, {"stream_options": {"include_usage": True}}):
+        with pytest.raises(P.APIError):
+            P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **bad).check_supported()
+
+
+def test_config_and_builder():
+    from pydantic import ValidationError
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    import serve_app
+    from hvd_ray.serving import ServingConfig
+
+    for bad in ({"tensor_parallel_size": 2}, {"drafter": "magic"}, {"max_tokens": 4096, "max_model_len": 2048},
+                {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, {"dtype": "int3"}):
+        with pytest.raises(ValidationError):
+            ServingConfig.model_validate(bad)
+    # what `serve run config.yaml` / `serve run serve_app:app k=v` do with the builder and its args
+    app = call_user_app_builder_with_args_if_necessary(serve_app.app, {"drafter": "none", "max_batch": "2"})
+    assert isinstance(app, Application)
+    assert isinstance(serve_app.default_app, Application)
+    with pytest.raises(ValueError):  # Serve passes args only to builders: why `app` is one
+        call_user_app_builder_with_args_if_necessary(serve_app.default_app, {"drafter": "none"})
+    import yaml
+
+    conf = yaml.safe_load((ROOT / "config.yaml").read_text())
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(conf)
+    assert conf["applications"][0]["import_path"] == "serve_app:app"
+    cfg = ServingConfig.model_validate(conf["applications"][0]["args"])
+    assert cfg.autoscaling_config["max_replicas"] >= cfg.autoscaling_config["min_replicas"] >= 1
