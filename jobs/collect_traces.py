@@ -13,7 +13,9 @@ crashed or extended run (``--limit 100`` after ``--limit 50``) never loses or du
     # local: starts its own Ray (or joins RAY_ADDRESS)
     python jobs/collect_traces.py --workload code --split train --limit 50 --out /data/traces/code
 
-    # on a running cluster (paths absolute; keep the venv out of the upload)
+    # on a running cluster: start it from the venv (`source .venv/bin/activate; RAY_AUTH_MODE=disabled
+    # ray start --head --num-cpus 2`) so the entrypoint's `python` is the venv's; paths absolute;
+    # keep the venv out of the upload
     ray job submit --address http://127.0.0.1:8265 --working-dir . \\
         --runtime-env-json '{"excludes": [".venv", ".git"]}' -- \\
         python jobs/collect_traces.py --workload all --limit 500 --out /data/traces/all --actors 4 --num-gpus 1
@@ -33,6 +35,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -90,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--topk-logprobs must be >= 0")
     if args.num_cpus <= 0 and args.num_gpus <= 0:
         ap.error("--num-cpus or --num-gpus must be > 0")
+    if args.device.startswith("cuda") and args.num_gpus <= 0:
+        ap.error("--device cuda needs --num-gpus > 0 (Ray hides GPUs from actors that reserve none)")
     return args
 
 
@@ -149,6 +154,8 @@ def main(argv=None) -> int:
 
     tokens = 0
     t_gen = time.perf_counter()
+    # `ray job stop` and schedulers send SIGTERM: exit through `finally` so buffered traces are written
+    old_term = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         p = plan(rows, out, model_revision=revision, backend=args.backend, decoding=decoding,
                  max_prompt_tokens=max_prompt)
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
             how = start_ray(args)
             print(f"collect_traces: {how}; {args.actors} actor(s) x {args.num_cpus} CPU / {args.num_gpus} GPU",
                   flush=True)
-            remote = {"num_cpus": args.num_cpus} if args.num_cpus > 0 else {}
+            remote = {"num_cpus": args.num_cpus}  # fractional: a whole CPU per actor starves Ray Data on 2 cores
             if args.num_gpus > 0:
                 remote["num_gpus"] = args.num_gpus
             threads = args.threads or max(1, int(args.num_cpus))
@@ -190,6 +197,7 @@ def main(argv=None) -> int:
         return 2
     finally:
         writer.close()  # buffered rows are finished work: write them even when the run fails
+        signal.signal(signal.SIGTERM, old_term)
     dt = time.perf_counter() - t_gen
     total = read_traces(out, ["prompt_id"]).num_rows
     summary = {"new": writer.rows_written, "skipped_done": p.done, "skipped_too_long": len(p.too_long),

@@ -47,10 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model-drafter", default="layerskip", choices=["layerskip", "draft-model", "eagle3", "none"])
     ap.add_argument("--skip", default=None, help="layer-skip spec, e.g. attn:10-17 (default: layerskip.default_skip)")
-    ap.add_argument("--depth", type=int, default=5, help="model drafter depth k")
+    ap.add_argument("--depth", type=int, default=None, help="model drafter depth k (default: the drafter's)")
     ap.add_argument("--min-prob", type=float, default=None, help="model drafter confidence stop")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--eagle3-head", default=None)
+    ap.add_argument("--eagle3-tree", action="store_true", help="EAGLE-3 tree drafts (default: chains)")
     ap.add_argument("--max-draft", type=int, default=64, help="engine draft budget (num_draft_tokens)")
     ap.add_argument("--max-cached", type=int, default=10000, help="global tree bound in requests")
     ap.add_argument("--tree", action="store_true", help="suffix tree drafts instead of chains")
@@ -70,6 +71,7 @@ def replay_config(a: argparse.Namespace) -> ReplayConfig:
     return ReplayConfig(
         model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, model_drafter=a.model_drafter,
         skip=a.skip, depth=a.depth, min_prob=a.min_prob, draft_model=a.draft_model, eagle3_head=a.eagle3_head,
+        eagle3_tree=a.eagle3_tree,
         max_draft=a.max_draft, suffix={"max_cached_requests": a.max_cached, "use_tree_spec": a.tree},
         sim_tau=a.sim_tau, sim_predictor=a.sim_predictor, batch_slots=a.batch_slots,
         threads=a.threads or max(1, int(a.num_cpus)))
@@ -105,7 +107,7 @@ def run(a: argparse.Namespace) -> dict:
         "label_version": LABEL_VERSION,
         "feature_spec": SPEC.to_dict(),
         "replay": dataclasses.asdict(cfg),
-        "model_depth": cfg.depth if cfg.model_drafter != "none" else 0,
+        "model_depth": cfg.model_depth(),
         "traces_dir": traces,
         "rows": table.num_rows,
         "traces": len(set(table.column("seq").to_pylist())),

@@ -218,7 +218,7 @@ def ray_head():
         assert proc.returncode == 0, log
         yield f"http://127.0.0.1:{dash}"
     finally:
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):  # gcs/raylet ignore SIGTERM
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
@@ -254,19 +254,19 @@ def test_collect_direct_then_resumed_by_ray_job_submit(tmp_path, default_folder)
     common = ["--workload", "code", "--split", "test", "--out", str(out), "--max-tokens", "8", "--dtype",
               "float32", "--topk-logprobs", "5", "--batch-size", "2", "--rows-per-file", "2"]
 
-    # 1. direct: starts its own local Ray; 3 prompts -> 2 parts (2 + 1 rows)
-    s = _summary(_run([sys.executable, str(JOB), *common, "--limit", "3"]))
-    assert s["new"] == 3 and s["skipped_done"] == 0 and s["parts"] == 2 and s["output_tokens"] > 0
+    # 1. direct: starts its own local Ray; 3 prompts, one per engine batch and per part file
+    s = _summary(_run([sys.executable, str(JOB), *common, "--limit", "3", "--batch-size", "1", "--rows-per-file", "1"]))
+    assert s["new"] == 3 and s["skipped_done"] == 0 and s["parts"] >= 2 and s["output_tokens"] > 0
     tick("direct run")
     first = read_traces(out)
     assert first.num_rows == 3 and first.column("seq").to_pylist() == [0, 1, 2]
 
-    # 2. simulate a crash: the part holding seq 0 and 1 never got renamed, its temp file is left over
+    # 2. simulate a crash: the part holding seq 0 never got renamed, its temp file is left over
     for part in out.glob("part-*.parquet"):
         if 0 in pq.read_table(part, columns=["seq"]).column("seq").to_pylist():
             part.rename(out / ".part-crashed.parquet.tmp")
     kept = read_traces(out)
-    assert kept.column("seq").to_pylist() == [2]
+    assert 1 <= kept.num_rows < 3 and 0 not in kept.column("seq").to_pylist()
 
     # 3. resume with N + M prompts through `ray job submit` on a private head node
     with ray_head() as address:
@@ -278,7 +278,7 @@ def test_collect_direct_then_resumed_by_ray_job_submit(tmp_path, default_folder)
     tick("head stopped")
     assert "joined" in log and "succeeded" in log, log[-3000:]
     s = _summary(log)
-    assert s["new"] == 5 and s["skipped_done"] == 1 and s["traces_in_out"] == 6
+    assert s["new"] == 6 - kept.num_rows and s["skipped_done"] == kept.num_rows and s["traces_in_out"] == 6
     assert not list(out.glob("*.tmp"))
 
     traces = read_traces(out)
@@ -286,7 +286,7 @@ def test_collect_direct_then_resumed_by_ray_job_submit(tmp_path, default_folder)
     assert all(pq.read_schema(p).equals(TRACE_SCHEMA) for p in out.glob("part-*.parquet"))
     rows = traces.to_pylist()
     assert [r["seq"] for r in rows] == list(range(6)) and len({r["prompt_id"] for r in rows}) == 6
-    assert rows[2] == kept.to_pylist()[0]  # the surviving trace is untouched
+    assert [r for r in rows if r["seq"] in kept.column("seq").to_pylist()] == kept.to_pylist()  # untouched
     assert [r["output_tokens"] for r in rows[:3]] == first.column("output_tokens").to_pylist()  # redone identically
     for r in rows:
         assert r["workload"] == "code" and r["split"] == "test" and r["backend"] == "hvd_ray"
@@ -312,11 +312,16 @@ def test_collect_direct_then_resumed_by_ray_job_submit(tmp_path, default_folder)
     assert [p.id for p in prompts] == [r["prompt_id"] for r in rows]
     model = Transformer.from_pretrained(default_folder, dtype=torch.float32)
     engine = Engine(model, max_batch=1, max_len=1024)
-    for p, r in zip(prompts, rows):
-        ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]
-        assert ids == r["prompt_tokens"]
-        req = engine.generate([ids], SamplingParams(max_tokens=8))[0]
-        assert req.output == r["output_tokens"] and req.finish_reason == r["finish_reason"], p.id
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 threads on a busy 2-core box collapse (DESIGN.md)
+    try:
+        for p, r in zip(prompts, rows):
+            ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]
+            assert ids == r["prompt_tokens"]
+            req = engine.generate([ids], SamplingParams(max_tokens=8))[0]
+            assert req.output == r["output_tokens"] and req.finish_reason == r["finish_reason"], p.id
+    finally:
+        torch.set_num_threads(threads)
 
     tick("engine reference")
     # 5. nothing left to do: no Ray, no new files

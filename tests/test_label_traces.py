@@ -26,7 +26,7 @@ from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter
 from hvd_ray.engine import Engine, SamplingParams
 from hvd_ray.model.transformer import Transformer
 from hvd_ray.selection.features import VocabFlags
-from hvd_ray.selection.policy import ScoreRule, drafter_only
+from hvd_ray.selection.policy import ScoreRule
 from hvd_ray.traces.labels import LABEL_SCHEMA
 from hvd_ray.traces.replay import (GlobalReplay, ReplayConfig, TraceLabeler, budgets_for, label_traces_local,
                                    longest_match, model_drafter_labels, read_trace_table, traces_from_table)
@@ -279,7 +279,7 @@ def test_features_online_equal_offline(setup):
 
     flags = VocabFlags.from_tokenizer(AutoTokenizer.from_pretrained(s["tokenizer"]), model.cfg.vocab_size)
     policy = LoggingPolicy(suffix, layerskip, flags, tau=1.0)
-    engine = Engine(model, drafters=[suffix, layerskip], policy=drafter_only(policy), max_batch=1, max_len=512,
+    engine = Engine(model, drafters=[suffix, layerskip], policy=policy, max_batch=1, max_len=512,
                     num_draft_tokens=16)
     reqs = engine.generate(s["prompts"], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [r.output for r in reqs] == s["outputs"]  # lossless

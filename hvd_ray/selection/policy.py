@@ -5,9 +5,9 @@ draft lengths), so the same code runs
 
 * online, as the engine's ``policy(request, engine)`` hook: :meth:`Policy.__call__` drafts from the
   suffix drafter first (the τ rule needs the cache draft's features before choosing), builds φ_t
-  with :func:`~hvd_ray.selection.features.features` and returns a :class:`Choice` — the drafter to
-  use, the cache draft already made (so the engine need not draft it twice) and ŷ_t for the step
-  record;
+  with :func:`~hvd_ray.selection.features.features` and returns the engine's
+  :class:`~hvd_ray.engine.Choice` — the drafter to use, the cache draft already made (so the engine
+  need not draft it twice) and ŷ_t for the step record;
 * offline, in trace replay (the simulated decoding run behind the history features) and in
   :func:`simulate` (MAT / forwards per 1k tokens / estimated cost of each policy on labelled
   traces).
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..drafters.base import Draft
+from ..engine.engine import Choice
 from .features import VocabFlags, features, history_from_steps, with_history
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,16 +53,6 @@ class StepView:
     y_model: int | None = None
 
 
-@dataclass
-class Choice:
-    """A policy's answer to the engine: draft with ``drafter`` (None = plain decoding step), or use
-    ``draft`` as is when given (already drafted by the policy); ``predicted`` is ŷ_t."""
-
-    drafter: Any | None
-    draft: Draft | None = None
-    predicted: float | None = None
-
-
 def verify_cost(k: int, table: dict[int, float] = VERIFY_COST) -> float:
     """Cost of one target forward over ``k`` tokens: piecewise-linear in ``table``, extrapolated
     with the last segment's slope."""
@@ -76,12 +67,8 @@ def verify_cost(k: int, table: dict[int, float] = VERIFY_COST) -> float:
 
 
 def draft_budget(req: "Request", engine: "Engine") -> int:
-    """The engine's draft budget for ``req`` this step (mirrors ``Engine._drafts``)."""
-    fn = getattr(engine, "draft_budget", None)
-    if fn is not None:
-        return fn(req)
-    return max(0, min(engine.num_draft_tokens, req.params.max_tokens - len(req.output) - 1,
-                      engine.max_len - engine.model.cache.lengths[req.slot] - 1))
+    """The engine's draft budget for ``req`` this step (the cap it truncates every draft to)."""
+    return engine._budget(req)
 
 
 class Policy:
@@ -124,14 +111,6 @@ class Policy:
         if choice == MODEL and self.model is not None:
             return Choice(self.model, None, predicted)
         return Choice(None, None, predicted)
-
-
-def drafter_only(policy: Policy):
-    """Adapter for an engine whose policy hook returns a drafter (no ``Choice`` support): the
-    engine then drafts the chosen source itself (the cache draft twice, identically)."""
-    def hook(req, engine):
-        return policy(req, engine).drafter
-    return hook
 
 
 class AlwaysCache(Policy):
@@ -290,10 +269,11 @@ class SimResult:
 
 def simulate_trace(lab: TraceLabels, policy: Policy, *, model_depth: int,
                    model_token_cost: float = LAYERSKIP_TOKEN_COST,
-                   cost_table: dict[int, float] = VERIFY_COST) -> SimResult:
+                   cost_table: dict[int, float] = VERIFY_COST, path: list | None = None) -> SimResult:
     """Decode one trace with ``policy``: from t = 1, each step verifies the chosen draft and gains
     its label plus the bonus token. History features are recomputed for this run; ``model_depth``
-    is the model drafter's depth (0: none was labelled), giving the nominal ``model_len``."""
+    is the model drafter's depth (0: none was labelled), giving the nominal ``model_len``.
+    ``path``, if given, collects ``(t, choice, accepted)`` per step."""
     res = SimResult(traces=int(lab.n > 0), tokens=min(lab.n, 1))
     hist: list[tuple[bool, int]] = []
     t = 1
@@ -316,6 +296,8 @@ def simulate_trace(lab: TraceLabels, policy: Policy, *, model_depth: int,
         if pred is not None:
             res.predicted.append(pred)
         hist.append((choice == CACHE, acc))
+        if path is not None:
+            path.append((t, choice, acc))
         gained = min(acc + 1, lab.n - t)
         res.accepted += gained - 1
         res.tokens += gained
@@ -361,7 +343,7 @@ def _scatter(n: int, t: np.ndarray, v: np.ndarray) -> np.ndarray:
     return out
 
 
-__all__ = ["AlwaysCache", "AlwaysModel", "CACHE", "Choice", "CostPolicy", "LAYERSKIP_TOKEN_COST", "MODEL",
+__all__ = ["AlwaysCache", "AlwaysModel", "CACHE", "CostPolicy", "LAYERSKIP_TOKEN_COST", "MODEL",
            "NONE", "OraclePolicy", "Policy", "ScoreRule", "SimResult", "StepView", "TauPolicy",
-           "TraceLabels", "VERIFY_COST", "draft_budget", "drafter_only", "simulate", "simulate_trace",
+           "TraceLabels", "VERIFY_COST", "draft_budget", "simulate", "simulate_trace",
            "trace_labels_from_table", "verify_cost"]

@@ -27,8 +27,10 @@ lengths, the rate of choosing the cache). They come from a simulated decoding ru
 under a documented policy (default :class:`~hvd_ray.selection.policy.ScoreRule` with τ = 6:
 verify the cache draft when its own score > 6, else the model draft): from t = 1, a step at t
 accepts ``y_cache[t]`` or ``y_model[t]`` tokens plus the bonus token, so the next step starts at
-``t + accepted + 1``. Every position is labelled (``step_start`` marks the run's steps); positions
-between steps carry the history of the last step. ``--sim-predictor`` replaces the rule with the
+``t + accepted + 1``. Every position is labelled (``step_start`` marks the run's steps); a position
+between two step starts gets the history of the steps *completed* by then (the step in flight over
+it is left out: its accepted length would tell how far the continuation at t matches, which no
+decoding-time state knows). ``--sim-predictor`` replaces the rule with the
 τ rule on a trained predictor (a second, self-consistent round).
 
 **Model drafter labels, teacher-forced and batched.** One target forward over ``P + O`` fills a
@@ -52,7 +54,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from ..drafters.base import Draft, DraftRequest
@@ -102,11 +103,11 @@ def traces_from_table(table: pa.Table) -> list[Trace]:
 
 
 def read_trace_table(path: str | Path, columns: Sequence[str] | None = TRACE_COLUMNS) -> pa.Table:
-    """The trace parquet folder (or file) as one table with the columns replay reads."""
-    ds = pq.ParquetDataset(str(path))
-    have = set(ds.schema.names)
-    cols = [c for c in columns if c in have] if columns else None
-    return ds.read(columns=cols)
+    """The trace folder (``collect_traces`` parts) as one table sorted by ``seq``, with the
+    columns replay reads (``traces.collect.read_traces``)."""
+    from .collect import read_traces
+
+    return read_traces(path, columns)
 
 
 def longest_match(draft: Draft, output: Sequence[int], t: int) -> int:
@@ -300,9 +301,11 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
         budget = int(budgets[t])
         draft = drafter.speculate(rid, budget)
         yc = longest_match(draft, O, t)
-        phi = features(draft, prompt_len=len(P), generated=t, max_tokens=trace.max_tokens,
-                       last_token=O[t - 1], history=hist, flags=flags)
         start = t == next_step
+        # history = the run's steps completed by t: between step starts, the step in flight (which
+        # covers t) is left out, since its outcome reveals how far the continuation matched
+        phi = features(draft, prompt_len=len(P), generated=t, max_tokens=trace.max_tokens,
+                       last_token=O[t - 1], history=hist if start else hist[:-1], flags=flags)
         sim_cache = None
         if start:
             view = StepView(phi, len(draft), min(model_depth, budget), yc, int(y_model[t]))
@@ -350,10 +353,11 @@ class ReplayConfig:
     device: str = "cpu"
     model_drafter: str = "layerskip"  # layerskip | draft-model | eagle3 | none
     skip: str | None = None  # layer-skip spec, e.g. "attn:10-17" (default: layerskip.default_skip)
-    depth: int = 5
+    depth: int | None = None  # model drafter depth k (None: the drafter's default, as served)
     min_prob: float | None = None  # model drafter confidence stop (None: the drafter's default)
     draft_model: str | None = None
     eagle3_head: str | None = None
+    eagle3_tree: bool = False
     max_draft: int = 64
     suffix: dict = field(default_factory=dict)  # SuffixConfig overrides
     sim_tau: float = 6.0
@@ -363,6 +367,22 @@ class ReplayConfig:
 
     def suffix_config(self) -> SuffixConfig:
         return SuffixConfig(**self.suffix)
+
+    def model_depth(self) -> int:
+        """The model drafter's depth (0 without one): ``depth`` or the drafter class's default."""
+        if self.model_drafter == "none" or self.model is None:
+            return 0
+        if self.depth is not None:
+            return self.depth
+        import inspect
+
+        if self.model_drafter == "eagle3":
+            return 8 if self.eagle3_tree else 5  # Eagle3Drafter's defaults
+        if self.model_drafter == "layerskip":
+            from ..drafters.layerskip import LayerSkipDrafter as cls
+        else:
+            from ..drafters.model_drafter import ModelDrafter as cls
+        return int(inspect.signature(cls.__init__).parameters["depth"].default)
 
 
 class TraceLabeler:
@@ -390,6 +410,7 @@ class TraceLabeler:
             vocab = self.model.cfg.vocab_size
             tok_path = tok_path or str(folder)
             self.drafter = self._make_drafter()
+            assert self.drafter.depth == cfg.model_depth(), "ReplayConfig.model_depth() is out of date"
         elif cfg.model is not None:
             from ..model import resolve
 
@@ -408,19 +429,22 @@ class TraceLabeler:
             from ..drafters.layerskip import LayerSkipDrafter, parse_skip
 
             kw = {} if cfg.min_prob is None else {"min_prob": cfg.min_prob}
-            return LayerSkipDrafter(m, parse_skip(cfg.skip) if cfg.skip else None, depth=cfg.depth, **kw)
+            if cfg.depth is not None:
+                kw["depth"] = cfg.depth
+            return LayerSkipDrafter(m, parse_skip(cfg.skip) if cfg.skip else None, **kw)
         if cfg.model_drafter == "draft-model":
             from ..drafters.model_drafter import draft_model_drafter
 
             d = draft_model_drafter(cfg.draft_model, m, slots=cfg.batch_slots, max_len=m.cfg.max_position)
-            d.depth = cfg.depth
+            if cfg.depth is not None:
+                d.depth = cfg.depth
             if cfg.min_prob is not None:
                 d.min_prob = cfg.min_prob
             return d
         if cfg.model_drafter == "eagle3":
             from ..drafters.eagle3 import Eagle3Drafter, Eagle3Head
 
-            return Eagle3Drafter(m, Eagle3Head.load(cfg.eagle3_head, m), depth=cfg.depth,
+            return Eagle3Drafter(m, Eagle3Head.load(cfg.eagle3_head, m), tree=cfg.eagle3_tree, depth=cfg.depth,
                                  slots=cfg.batch_slots, max_len=m.cfg.max_position)
         raise ValueError(f"unknown model drafter {cfg.model_drafter!r}")
 

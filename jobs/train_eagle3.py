@@ -1,0 +1,248 @@
+"""Train an EAGLE-3 head for a target with Ray Train (TorchTrainer), from target-regenerated traces.
+
+    # 1. target greedy traces of the train split (see jobs/collect_traces.py)
+    python jobs/collect_traces.py --workload all --split train --limit 600 --max-tokens 128 \
+        --out ~/.cache/hvd_ray/traces/train-v1
+    # 2. features + draft vocabulary + training + held-out evaluation -> a head folder (vLLM layout)
+    python jobs/train_eagle3.py --traces ~/.cache/hvd_ray/traces/train-v1 --out heads/eagle3-smollm2 \
+        --minutes 60 [--workers 1 --use-gpu] [--resume]
+
+Stages are resumable: features are cached under ``<out>/features`` and training checkpoints under
+``<out>/ray_train``; ``--resume`` continues from the latest checkpoint. Held-out traces (the
+validation split, or ``--heldout DIR``) give the per-position acceptance report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from hvd_ray.drafters.eagle3 import Eagle3Head, default_aux_layer_ids, taps_for  # noqa: E402
+from hvd_ray.drafters.eagle3_train import (  # noqa: E402
+    draft_vocab_from_counts, extract_features, read_shard, ttt_logits, ttt_loss, write_shards)
+from hvd_ray.model import Transformer, parse_dtype, resolve  # noqa: E402
+from hvd_ray.traces import read_traces  # noqa: E402
+from hvd_ray.workloads import split_of  # noqa: E402
+
+
+def sequences(traces_dir: str, splits: set[str]) -> list[list[int]]:
+    t = read_traces(traces_dir, columns=["prompt_id", "prompt_tokens", "output_tokens"])
+    rows = t.to_pylist()
+    return [r["prompt_tokens"] + r["output_tokens"] for r in rows if split_of(r["prompt_id"]) in splits]
+
+
+def prepare(args) -> tuple[list[Path], list[Path], list[int]]:
+    """Feature shards for training and held-out sequences, and the draft vocabulary."""
+    feat = Path(args.out) / "features"
+    target = Transformer.from_pretrained(resolve(args.model), dtype=parse_dtype(args.feature_dtype))
+    taps = taps_for(default_aux_layer_ids(target.cfg.n_layers))
+    shards = {}
+    for name, src, splits in (("train", args.traces, {"train"}),
+                              ("heldout", args.heldout or args.traces, {"validation", "test"})):
+        folder = feat / name
+        if not (folder / "done").exists():
+            seqs = sequences(src, splits)[: args.max_sequences]
+            if not seqs:
+                raise SystemExit(f"no {name} sequences in {src} (splits {sorted(splits)})")
+            print(f"[features] {name}: {len(seqs)} sequences -> {folder}", file=sys.stderr)
+            t0 = time.time()
+            write_shards(_progress(extract_features(target, seqs, taps, args.max_len), len(seqs), name), folder)
+            (folder / "done").write_text(json.dumps({"sequences": len(seqs), "seconds": time.time() - t0}))
+        shards[name] = sorted(folder.glob("shard-*.safetensors"))
+    vocab_file = feat / "draft_vocab.json"
+    if not vocab_file.exists():
+        counts = torch.zeros(target.cfg.vocab_size, dtype=torch.long)
+        for p in shards["train"]:
+            for s in read_shard(p):
+                counts += torch.bincount(s["pred"].long(), minlength=target.cfg.vocab_size)
+        ids = draft_vocab_from_counts(counts, args.draft_vocab)
+        covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
+        vocab_file.write_text(json.dumps({"ids": ids, "coverage": covered}))
+        print(f"[vocab] {len(ids)} draft tokens cover {covered:.1%} of target predictions", file=sys.stderr)
+    return shards["train"], shards["heldout"], json.loads(vocab_file.read_text())["ids"]
+
+
+def _progress(it, total: int, name: str):
+    for i, x in enumerate(it, 1):
+        if i % 25 == 0 or i == total:
+            print(f"[features] {name} {i}/{total}", file=sys.stderr)
+        yield x
+
+
+def train_loop(config: dict) -> None:
+    """One Ray Train worker: TTT over its share of the shards, gradients all-reduced across workers."""
+    import ray.train
+    import torch.distributed as dist
+
+    torch.set_num_threads(config["threads"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    target = Transformer.from_pretrained(config["model_folder"], dtype=torch.float32, device=device)
+    head = Eagle3Head.from_target(target, config["vocab"], seed=config["seed"], dtype=torch.float32)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config["lr"], weight_decay=0.0)
+    epoch0, step = 0, 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt:
+        with ckpt.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", map_location=device, weights_only=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        epoch0, step = state["epoch"], state["step"]
+    shards = [Path(p) for p in config["shards"]][rank::world]
+    deadline = time.time() + 60 * config["minutes"]
+    total_steps = config["epochs"] * sum(len(read_shard(p)) for p in shards)
+    for epoch in range(epoch0, config["epochs"]):
+        g = torch.Generator().manual_seed(config["seed"] + epoch)
+        order = [shards[i] for i in torch.randperm(len(shards), generator=g).tolist()]
+        run_loss, run_acc, n = 0.0, [0.0] * config["steps"], 0
+        for path in order:
+            for s in read_shard(path):
+                lr = config["lr"] * min(1.0, (step + 1) / 50) * max(0.1, 1 - step / max(total_steps, 1))
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                loss, accs = ttt_loss(head, s["taps"].float(), s["tokens"], s["pred"], steps=config["steps"])
+                opt.zero_grad()
+                loss.backward()
+                if world > 1:
+                    for p in params:
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                step += 1
+                run_loss += loss.item()
+                run_acc = [a + b for a, b in zip(run_acc, accs)]
+                n += 1
+                if step % config["report_every"] == 0:
+                    ray.train.report({"epoch": epoch, "step": step, "loss": run_loss / n,
+                                      **{f"acc{k + 1}": a / n for k, a in enumerate(run_acc)}})
+                if time.time() > deadline:
+                    break
+            if time.time() > deadline:
+                break
+        metrics = {"epoch": epoch + 1, "step": step, "loss": run_loss / max(n, 1),
+                   **{f"acc{k + 1}": a / max(n, 1) for k, a in enumerate(run_acc)}}
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1, "step": step},
+                           Path(d) / "state.pt")
+                head.save(Path(d) / "head")
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+        if time.time() > deadline:
+            break
+
+
+def fit(args, train_shards: list[Path], vocab: list[int]):
+    import ray
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", num_cpus=max(2, args.workers),
+             include_dashboard=False, ignore_reinit_error=True)
+    storage = (Path(args.out) / "ray_train").resolve()
+    config = {"model_folder": str(resolve(args.model)), "vocab": vocab, "shards": [str(p) for p in train_shards],
+              "lr": args.lr, "epochs": args.epochs, "steps": args.ttt_steps, "seed": args.seed,
+              "minutes": args.minutes, "threads": args.threads, "report_every": 20}
+    run = RunConfig(name="eagle3", storage_path=str(storage),
+                    checkpoint_config=CheckpointConfig(num_to_keep=2))
+    scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,
+                            resources_per_worker={"CPU": args.cpus_per_worker})
+    if args.resume and TorchTrainer.can_restore(str(storage / "eagle3")):
+        trainer = TorchTrainer.restore(str(storage / "eagle3"), train_loop_per_worker=train_loop,
+                                       train_loop_config=config)
+    else:
+        trainer = TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run)
+    result = trainer.fit()
+    if result.error:
+        raise result.error
+    return result
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, shards: list[Path], depth: int = 5) -> dict:
+    """Held-out acceptance of chain drafts, teacher-forced on the traces: per draft position k, the
+    rate at which token k is right given 1..k-1 were; and mean accepted tokens per target forward."""
+    hits = [0] * depth
+    tries = [0] * depth
+    accepted = []
+    for path in shards:
+        for s in read_shard(path):
+            tokens, pred = s["tokens"], s["pred"].long()
+            L = tokens.shape[0] - 1
+            if L <= depth:
+                continue
+            logits = ttt_logits(head, s["taps"].float(), tokens, depth)
+            drafted = [head.to_target_ids(lg.argmax(-1)) for lg in logits]  # step k at index i
+            for start in range(0, L - depth):
+                n = 0
+                for k in range(depth):  # draft token k+1 comes from step k+1 at index start+k
+                    tries[k] += 1
+                    if int(drafted[k][start + k]) != int(pred[start + k + 1]):
+                        break
+                    hits[k] += 1
+                    n += 1
+                accepted.append(n)
+    rates = [h / t if t else 0.0 for h, t in zip(hits, tries)]
+    return {"per_position_acceptance": rates,
+            "mean_accepted_tokens_per_forward": 1 + sum(accepted) / max(len(accepted), 1),
+            "positions": len(accepted)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", required=True, help="trace directory (collect_traces output)")
+    ap.add_argument("--heldout", default=None, help="held-out traces (default: --traces' validation/test split)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--max-sequences", type=int, default=None)
+    ap.add_argument("--feature-dtype", default="bfloat16", help="target dtype for feature extraction")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--cpus-per-worker", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--use-gpu", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    train_shards, heldout_shards, vocab = prepare(args)
+    result = fit(args, train_shards, vocab)
+    with result.checkpoint.as_directory() as d:
+        target = Transformer.from_pretrained(resolve(args.model), dtype=torch.float32)
+        head = Eagle3Head.load(Path(d) / "head", target, dtype=torch.float32)
+    report = evaluate(head, heldout_shards)
+    out = Path(args.out)
+    head.to(torch.bfloat16).save(out)
+    digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    history = result.metrics_dataframe
+    loss_history = history["loss"].tolist() if history is not None and "loss" in history else []
+    meta = {"train_metrics": result.metrics, "loss_history": loss_history, "heldout": report, "sha256": digest,
+            "checkpoint": result.checkpoint.path, "args": vars(args),
+            "draft_vocab_size": len(vocab)}
+    (out / "training.json").write_text(json.dumps(meta, indent=1, default=str))
+    print(json.dumps({"heldout": report, "sha256": digest}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Selection: features φ_t, the pickle-free yield predictor, jobs/train_predictor.py, and the
+policies (decisions, offline simulation, and inside the real engine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hvd_ray.drafters.base import Draft
+from hvd_ray.drafters.layerskip import LayerSkipDrafter, parse_skip
+from hvd_ray.drafters.suffix import SuffixDrafter
+from hvd_ray.engine import Engine, SamplingParams
+from hvd_ray.model.transformer import Transformer
+from hvd_ray.selection.features import (FEATURES, FLAGS, HISTORY_SLICE, SPEC, FeatureSpec, VocabFlags, features,
+                                        history_features, token_flags, with_history)
+from hvd_ray.selection.policy import (CACHE, MODEL, NONE, AlwaysCache, AlwaysModel, CostPolicy,
+                                      OraclePolicy, ScoreRule, StepView, TauPolicy, simulate,
+                                      simulate_trace, trace_labels_from_table, verify_cost)
+from hvd_ray.selection.predictor import YieldPredictor
+from hvd_ray.traces.labels import META_FILE
+from test_label_traces import DEPTH, MAX_NEW, MIN_PROB, SKIP, tiny_labels, tiny_setup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def flag(text, name, special=False):
+    return token_flags(text, special)[FLAGS.index(name)]
+
+
+def test_token_flags():
+    assert flag(" def", "code") and flag(" def", "space_start") and flag(" def", "word")
+    assert flag("\n   ", "ws") and flag("\n   ", "newline") and not flag("\n   ", "word")
+    assert flag('":', "quote") and flag('":', "json_delim") and flag('":', "punct")
+    assert flag(" {\"", "open_br") and flag("]}", "close_br") and not flag("]}", "open_br")
+    assert flag("```", "code") and flag(" return", "code") and not flag(" returned", "code")
+    assert flag("2024", "digit") and not flag("abc", "digit")
+    assert flag("<|im_end|>", "special", special=True) and not flag("<|im_end|>", "special")
+    assert token_flags("") == (0,) * len(FLAGS)
+
+
+def test_vocab_flags_from_tokenizer():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_setup()["tokenizer"])
+    vf = VocabFlags.from_tokenizer(tok)
+    assert vf.table.shape == (len(tok), len(FLAGS))
+    ids = tok.encode(' def f():\n    return {"a": [1, 2]}\n```')
+    texts = [tok.decode([i]) for i in ids]
+    for i, text in zip(ids, texts):
+        assert tuple(vf.of(i).astype(int)) == token_flags(text)
+    assert vf.of(tok.convert_tokens_to_ids("<|im_end|>"))[FLAGS.index("special")] == 1
+    share = vf.share(ids)
+    assert share[FLAGS.index("code")] == pytest.approx(sum(flag(t, "code") for t in texts) / len(ids))
+    assert not vf.share([]).any() and not vf.of(10**9).any()
+
+
+def test_history_features():
+    assert not history_features([]).any()
+    h = [(True, 3), (False, 1), (True, 5), (False, 0), (True, 2)]
+    np.testing.assert_allclose(history_features(h), [(1 + 5 + 0 + 2) / 4, (3 + 5 + 2) / 3, 3 / 5, 5])
+    long = [(i % 3 == 0, i) for i in range(40)]
+    f = history_features(long)
+    assert f[3] == 16 and f[2] == pytest.approx(sum(i % 3 == 0 for i in range(24, 40)) / 16)
+    assert f[1] == pytest.approx(np.mean([39, 36, 33, 30]))
+
+
+def test_features_vector_and_spec():
+    vf = VocabFlags.from_texts(["a", " b", "{", "}", "\n", ":"])
+    d = Draft.chain([2, 5, 3], [1.0, 0.5, 0.25], score=1.75, match_len=4, source="suffix-global")
+    hist = [(True, 2), (False, 1)]
+    phi = features(d, prompt_len=10, generated=5, max_tokens=20, last_token=1, history=hist, flags=vf)
+    assert phi.dtype == np.float32 and phi.shape == (len(SPEC),) == (len(FEATURES),)
+    named = dict(zip(SPEC.names, phi.tolist()))
+    assert (named["score"], named["match_len"], named["draft_len"], named["is_global"]) == (1.75, 4, 3, 1)
+    assert named["mean_prob"] == pytest.approx(1.75 / 3) and named["last_prob"] == 0.25
+    assert (named["prompt_len"], named["generated"], named["rel_pos"]) == (10, 5, 0.25)
+    assert named["acc_mean4"] == 1.5 and named["cache_acc_mean4"] == 2 and named["cache_rate16"] == 0.5
+    assert named["last_space_start"] == 1 and named["last_word"] == 1
+    assert named["draft_open_br"] == pytest.approx(1 / 3) and named["draft_json_delim"] == pytest.approx(1 / 3)
+    empty = features(Draft(source="suffix-request"), prompt_len=3, generated=1, max_tokens=0, last_token=0,
+                     history=[], flags=vf)
+    assert empty[:6].tolist() == [0] * 6 and empty[8] == 0
+    other = with_history(phi, [])
+    assert not other[HISTORY_SLICE].any()
+    mask = np.ones(len(phi), bool)
+    mask[HISTORY_SLICE] = False
+    np.testing.assert_array_equal(other[mask], phi[mask])
+    assert FeatureSpec.from_dict(json.loads(SPEC.to_json())) == SPEC
+    with pytest.raises(ValueError, match="feature spec mismatch"):
+        SPEC.check(FeatureSpec(SPEC.names[:-1], SPEC.version))
+
+
+def fit_small_mlp(n_features: int, seed: int = 0):
+    from sklearn.neural_network import MLPRegressor
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(400, n_features)) * rng.uniform(0.1, 30, n_features)
+    X[:, 5] = 3.0  # a constant feature: the scaler's scale is 1 there
+    y = np.maximum(0, X[:, 0] / 10 + X[:, 1] ** 2 / 100 + rng.normal(0, 0.1, 400))
+    pipe = make_pipeline(StandardScaler(), MLPRegressor(hidden_layer_sizes=(32, 16), max_iter=60, random_state=seed)).fit(X, y)
+    return pipe, X
+
+
+def test_predictor_artifact_matches_sklearn_without_pickle(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # convergence warnings of the short fit
+        pipe, X = fit_small_mlp(len(SPEC))
+    pred = YieldPredictor.from_sklearn(pipe[-1], pipe[0].mean_, pipe[0].scale_, SPEC, {"tau": 6})
+    pred.save(tmp_path / "art")
+    assert sorted(p.name for p in (tmp_path / "art").iterdir()) == ["predictor.json", "predictor.npz"]
+    meta = json.loads((tmp_path / "art" / "predictor.json").read_text())
+    assert meta["feature_spec"]["names"] == list(SPEC.names) and len(meta["scaler"]["mean"]) == len(SPEC)
+    with np.load(tmp_path / "art" / "predictor.npz", allow_pickle=False) as z:
+        assert all(z[k].dtype == np.float64 for k in z.files)
+    loaded = YieldPredictor.load(tmp_path / "art")
+    ref = pipe.predict(X)
+    np.testing.assert_allclose(loaded.predict(X), ref, rtol=1e-9, atol=1e-9)
+    for i in range(0, 400, 37):
+        assert loaded.predict(X[i]) == pytest.approx(ref[i], rel=1e-9, abs=1e-9)
+    assert loaded.meta == {"tau": 6}
+    bad = FeatureSpec(SPEC.names[:-1] + ("something_else",), SPEC.version)
+    with pytest.raises(ValueError, match="mismatch"):
+        YieldPredictor.load(tmp_path / "art", spec=bad)
+
+
+def constant_predictor(value: float) -> YieldPredictor:
+    """A real (linear, one-layer) predictor that always says ``value``."""
+    n = len(SPEC)
+    return YieldPredictor([np.zeros((n, 1))], [np.array([value])], np.zeros(n), np.ones(n))
+
+
+def test_verify_cost_table():
+    assert [verify_cost(k) for k in (1, 8, 16, 32)] == [1.0, 1.2, 1.32, 1.71]
+    assert verify_cost(4) == pytest.approx(1 + 0.2 * 3 / 7)
+    assert verify_cost(64) == pytest.approx(1.71 + 0.39 / 16 * 32)
+    assert verify_cost(0) == 1.0
+
+
+def test_policy_decisions():
+    phi = np.zeros(len(SPEC), np.float32)
+    phi[0] = 7.5  # score
+    view = StepView(phi, cache_len=10, model_len=5, y_cache=2, y_model=3)
+    assert TauPolicy(constant_predictor(7)).decide(view) == (CACHE, 7.0)
+    assert TauPolicy(constant_predictor(6)).decide(view) == (MODEL, 6.0)  # strictly above τ
+    assert TauPolicy(constant_predictor(9)).decide(StepView(phi, 0, 5)) == (MODEL, 0.0)
+    assert ScoreRule(tau=6).decide(view)[0] == CACHE and ScoreRule(tau=8).decide(view)[0] == MODEL
+    assert OraclePolicy().decide(view)[0] == MODEL
+    assert OraclePolicy().decide(StepView(phi, 10, 5, 3, 3))[0] == CACHE
+    assert OraclePolicy().decide(StepView(phi, 0, 0, 0, 0))[0] == NONE
+    with pytest.raises(ValueError):
+        OraclePolicy().decide(StepView(phi, 1, 1))
+    cost = CostPolicy(constant_predictor(7), model_accept=1.0)
+    assert cost.decide(view) == (CACHE, 7.0)
+    r = cost.rates(view, 7.0)
+    assert r[CACHE] == pytest.approx(8 / verify_cost(11)) and r[NONE] == 1.0
+    assert r[MODEL] == pytest.approx(2 / (verify_cost(6) + 5 * 0.86))
+    assert CostPolicy(constant_predictor(0), model_accept=1.0).decide(view)[0] == NONE  # drafting costs more
+    cheap = CostPolicy(constant_predictor(0), model_accept=4.0, model_token_cost=0.05)
+    assert cheap.decide(view)[0] == MODEL
+    assert AlwaysCache().decide(view)[0] == CACHE and AlwaysModel().decide(view)[0] == MODEL
+
+
+def test_offline_simulation_on_labels():
+    """The offline simulator re-walks the replay's own simulated run exactly (same rule, same
+    labels -> same step starts), and the oracle is at least as good as either fixed source."""
+    lab = tiny_labels()
+    traces = trace_labels_from_table(lab)
+    d = lab.to_pydict()
+    for k, tl in enumerate(traces):
+        path = []
+        simulate_trace(tl, ScoreRule(tau=6.0), model_depth=DEPTH, path=path)
+        starts = [d["t"][i] for i in range(lab.num_rows) if d["seq"][i] == k and d["step_start"][i]]
+        choices = [d["sim_cache"][i] for i in range(lab.num_rows) if d["seq"][i] == k and d["step_start"][i]]
+        assert [t for t, _, _ in path] == starts
+        assert [c == CACHE for _, c, _ in path] == choices
+    res = {name: simulate(traces, p, model_depth=DEPTH) for name, p in
+           {"cache": AlwaysCache(), "model": AlwaysModel(), "oracle": OraclePolicy()}.items()}
+    for r in res.values():
+        assert r["tokens"] == sum(tl.n for tl in traces) and r["traces"] == len(traces)
+        assert r["forwards_per_1k_tokens"] == pytest.approx(1000 * (r["steps"] + r["traces"]) / r["tokens"])
+    assert res["oracle"]["mean_accepted_per_forward"] >= max(res["cache"]["mean_accepted_per_forward"],
+                                                             res["model"]["mean_accepted_per_forward"])
+    assert res["cache"]["cache_share"] == 1 and res["model"]["model_share"] == 1
+    assert simulate(traces, AlwaysModel(), model_depth=0)["mean_accepted_per_forward"] == 1.0  # no drafter
+
+
+def write_labels(tmp_path: Path) -> Path:
+    folder = tmp_path / "labels"
+    folder.mkdir()
+    pq.write_table(tiny_labels(), folder / "part-0.parquet")
+    (folder / META_FILE).write_text(json.dumps({"feature_spec": SPEC.to_dict(), "model_depth": DEPTH}))
+    return folder
+
+
+def test_train_predictor_job(tmp_path):
+    sys.path.insert(0, str(ROOT / "jobs"))
+    import train_predictor
+
+    out = tmp_path / "pred"
+    args = train_predictor.parse_args(["--labels", str(write_labels(tmp_path)), "--out", str(out),
+                                       "--grid", "paper", "--max-iter", "30", "--importance-rows", "200"])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = train_predictor.train(args)
+    assert {"predictor.json", "predictor.npz", "report.json", "report.md"} <= {p.name for p in out.iterdir()}
+    assert not any(p.suffix in (".pkl", ".pickle", ".joblib") for p in out.iterdir())
+    pred = YieldPredictor.load(out)
+    assert report["numpy_vs_sklearn_max_abs_diff"] < 1e-9
+    assert report["traces"] == {"train": 3, "validation": 1, "test": 2}  # the traces' own split
+    assert report["test"]["rows"] == report["trainable_rows"]["test"] > 0
+    assert report["latency_single_phi"]["p50_us"] < 1000
+    assert set(report["policies_test"]) >= {"always-cache", "always-model", "oracle", "cost", "tau>6"}
+    assert pred.meta["model_depth"] == DEPTH and pred.meta["positions"] == "all"
+    assert "Policies on the test traces" in (out / "report.md").read_text()
+    assert isinstance(pred.predict(np.zeros(len(SPEC), np.float32)), float)
+
+
+@pytest.mark.parametrize("which", ["tau", "cost"])
+def test_policies_drive_the_engine_losslessly(which):
+    """TauPolicy / CostPolicy as the engine's policy hook: the output is plain greedy's, both
+    sources get used, and (when the engine takes Choice) each step records ŷ."""
+    s = tiny_setup()
+    model = Transformer.from_pretrained(s["folder"], dtype=torch.float32)
+    suffix = SuffixDrafter()
+    layerskip = LayerSkipDrafter(model, parse_skip(SKIP), depth=DEPTH, min_prob=MIN_PROB)
+    from transformers import AutoTokenizer
+
+    flags = VocabFlags.from_tokenizer(AutoTokenizer.from_pretrained(s["tokenizer"]), model.cfg.vocab_size)
+    # a real linear predictor: ŷ = the suffix score (so both sides of τ occur)
+    w = np.zeros((len(SPEC), 1))
+    w[0, 0] = 1.0
+    pred = YieldPredictor([w], [np.zeros(1)], np.zeros(len(SPEC)), np.ones(len(SPEC)))
+    policy = (TauPolicy(pred, suffix, layerskip, flags, tau=1.0) if which == "tau"
+              else CostPolicy(pred, suffix, layerskip, flags, model_accept=1.0, model_token_cost=0.05))
+    engine = Engine(model, drafters=[suffix, layerskip], policy=policy, max_batch=2, max_len=512,
+                    num_draft_tokens=16)
+    reqs = engine.generate(s["prompts"], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [r.output for r in reqs] == s["outputs"]
+    sources = {st.source for r in reqs for st in r.stats.steps}
+    assert "layerskip" in sources and sources & {"suffix-request", "suffix-global"}
+    assert all(st.predicted is not None for r in reqs for st in r.stats.steps)
+    if which == "tau":  # ŷ (= the suffix score here) decided each step: cache above τ, model at or below
+        steps = [st for r in reqs for st in r.stats.steps]
+        assert all(st.predicted > 1.0 for st in steps if st.source.startswith("suffix"))
+        assert all(st.predicted <= 1.0 for st in steps if st.source == "layerskip")
