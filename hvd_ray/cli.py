@@ -37,7 +37,7 @@ def generate(args: argparse.Namespace) -> int:
     import torch
 
     from .drafters import make_drafter
-    from .engine import Engine, SamplingParams, TextStreamer, trim_at_stop
+    from .engine import Engine, SamplingParams, TextStreamer
     from .model import ModelError, load
 
     if args.threads:
@@ -66,18 +66,13 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    streamer = TextStreamer(tok)
+    streamer = TextStreamer(tok, args.stop)
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
-            piece = streamer.push(out.new_tokens)
-            cut = trim_at_stop(streamer.text, args.stop)
-            if cut is not None:
-                piece = piece[: max(0, len(piece) - (len(streamer.text) - len(cut)))]
-            sys.stdout.write(piece)
+            sys.stdout.write(streamer.push(out.new_tokens))
             sys.stdout.flush()
-    sys.stdout.write(streamer.flush() if not args.stop else "")
-    sys.stdout.write("\n")
+    sys.stdout.write(streamer.flush() + "\n")
     elapsed = time.perf_counter() - t0
     stats = req.stats.summary(len(req.output))
     stats.update(tok_per_s=len(req.output) / elapsed if elapsed else 0.0, elapsed_s=elapsed,

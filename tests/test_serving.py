@@ -376,9 +376,9 @@ class _CharTok:
 
 
 def _push_all(stops, text, tok_ids=None):
-    from hvd_ray.serving.replica import StopAwareText
+    from hvd_ray.engine.text import TextStreamer
 
-    st = StopAwareText(_CharTok(), stops)
+    st = TextStreamer(_CharTok(), stops)
     pieces = [st.push([i]) for i in (tok_ids or [ord(c) for c in text])]
     if not st.stopped:
         pieces.append(st.flush())

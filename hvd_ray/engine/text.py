@@ -2,28 +2,54 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 class TextStreamer:
-    """Turns a growing token list into text pieces, holding back incomplete UTF-8 sequences."""
+    """Incremental detokenisation that never emits text a stop string might still swallow.
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    Holds back an unfinished UTF-8 character and the longest tail that is a prefix of a stop
+    string; once a stop string appears the text is cut before it (OpenAI semantics) and
+    ``stopped`` is set. Used by the CLI and the serving replica alike.
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str] = (), skip_special_tokens: bool = True):
         self.tok = tokenizer
+        self.stops = [s for s in stops if s]
         self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
-        self._sent = 0
+        self.sent = 0
+        self.stopped = False
 
     def push(self, tokens: list[int]) -> str:
+        if self.stopped:
+            return ""
         self.ids += tokens
         self.text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
+        cut = trim_at_stop(self.text, self.stops)
+        if cut is not None:
+            self.stopped = True
+            self.text = cut
+            return self._advance(len(cut))
         end = len(self.text)
-        while end > self._sent and self.text[end - 1] == "\ufffd":  # an unfinished multi-byte char
+        while end > self.sent and self.text[end - 1] == "\ufffd":
             end -= 1
-        piece, self._sent = self.text[self._sent : end], end
-        return piece
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, end), hold, -1):
+                if self.text.endswith(s[:k], 0, end):
+                    hold = k
+                    break
+        return self._advance(end - hold)
 
     def flush(self) -> str:
-        piece, self._sent = self.text[self._sent :], len(self.text)
+        return self._advance(len(self.text))
+
+    def _advance(self, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        piece, self.sent = self.text[self.sent : end], end
         return piece
 
 

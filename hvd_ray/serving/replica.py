@@ -26,57 +26,10 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from ..engine.text import trim_at_stop
+from ..engine.text import TextStreamer
 from .config import ServingConfig
 
 logger = logging.getLogger("ray.serve")
-
-
-# ------------------------------------------------------------------------------------- text
-class StopAwareText:
-    """Incremental detokenisation that never streams text a stop string might still swallow.
-
-    Holds back an unfinished UTF-8 character and the longest tail that is a prefix of a stop
-    string; once a stop string appears the text is cut before it (OpenAI semantics).
-    """
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tok = tokenizer
-        self.stops = [s for s in stops if s]
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
-        self.stopped = False
-
-    def push(self, tokens: list[int]) -> str:
-        if self.stopped:
-            return ""
-        self.ids += tokens
-        self.text = self.tok.decode(self.ids, skip_special_tokens=True)
-        cut = trim_at_stop(self.text, self.stops)
-        if cut is not None:
-            self.stopped = True
-            self.text = cut
-            return self._advance(len(cut))
-        end = len(self.text)
-        while end > self.sent and self.text[end - 1] == "\ufffd":
-            end -= 1
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, end), hold, -1):
-                if self.text.endswith(s[:k], 0, end):
-                    hold = k
-                    break
-        return self._advance(end - hold)
-
-    def flush(self) -> str:
-        return self._advance(len(self.text))
-
-    def _advance(self, end: int) -> str:
-        if end <= self.sent:
-            return ""
-        piece, self.sent = self.text[self.sent : end], end
-        return piece
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -339,7 +292,7 @@ class ModelReplica:
             yield {"type": "error", "status": 503, "message": str(e), "error_type": "server_error"}
             return
         yield {"type": "start", "prompt_tokens": len(ids)}
-        text = StopAwareText(self.tok, params.stop)
+        text = TextStreamer(self.tok, params.stop)
         n_out, first, done = 0, True, False
         try:
             while True:
