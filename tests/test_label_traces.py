@@ -28,8 +28,8 @@ from hvd_ray.model.transformer import Transformer
 from hvd_ray.selection.features import VocabFlags
 from hvd_ray.selection.policy import ScoreRule
 from hvd_ray.traces.labels import LABEL_SCHEMA
-from hvd_ray.traces.replay import (GlobalReplay, ReplayConfig, TraceLabeler, budgets_for, label_traces_local,
-                                   longest_match, model_drafter_labels, read_trace_table, traces_from_table)
+from hvd_ray.traces.replay import (GlobalReplay, budgets_for, label_traces_local, longest_match, model_drafter_labels,
+                                   read_trace_table, replay_trace, traces_from_table)
 from hvd_ray.traces.schema import TRACE_SCHEMA
 
 MAX_NEW = 40
@@ -137,8 +137,6 @@ def test_cache_labels_equal_brute_force(setup):
     hist = table.to_pydict()
     gr = GlobalReplay(list(zip(hist["seq"], hist["output_tokens"])), cfg)
     flags = VocabFlags.from_decode(lambda i: chr(32 + i % 90), 320)
-    from hvd_ray.traces.replay import replay_trace
-
     hits = {"suffix-global": 0, "suffix-request": 0}
     for k, tr in enumerate(traces):
         drafts = {}

@@ -599,6 +599,11 @@ class SuffixDrafter:
             self.evict(next(iter(self._cached)))
         return True
 
+    def add_to_global(self, req_id: Hashable, tokens: Sequence[int]) -> None:
+        """Put a finished output into the global tree (trace replay rebuilds it this way)."""
+        if self._cache(req_id):
+            self.global_tree.extend(req_id, tokens)
+
     def evict(self, req_id: Hashable) -> None:
         del self._cached[req_id]
         self.global_tree.remove(req_id)

@@ -171,7 +171,8 @@ class Engine:
             toks.append(int(sample(probs, r.generator)))
         return toks
 
-    def _budget(self, r: Request) -> int:
+    def draft_budget(self, r: Request) -> int:
+        """How many draft tokens request ``r`` may verify this step (every draft is cut to this)."""
         return max(0, min(self.num_draft_tokens, r.params.max_tokens - len(r.output) - 1,
                           self.max_len - self.model.cache.lengths[r.slot] - 1))
 
@@ -188,13 +189,13 @@ class Engine:
         for src in {id(c.drafter): c.drafter for c in choices if c.drafter is not None}.values():
             idxs = [i for i, c in enumerate(choices) if c.drafter is src and c.draft is None]
             if idxs:
-                asks = [DraftRequest(reqs[i].req_id, reqs[i].slot, reqs[i].tokens, self._budget(reqs[i]))
+                asks = [DraftRequest(reqs[i].req_id, reqs[i].slot, reqs[i].tokens, self.draft_budget(reqs[i]))
                         for i in idxs]
                 for i, d in zip(idxs, src.propose(asks)):
                     choices[i].draft = d
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None:
-                drafts[i] = c.draft.truncated(self._budget(r))
+                drafts[i] = c.draft.truncated(self.draft_budget(r))
         return drafts, [c.predicted for c in choices]
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:

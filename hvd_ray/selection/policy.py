@@ -18,9 +18,11 @@ Choices are ``"cache"`` (verify the suffix draft), ``"model"`` (ask the model dr
 
 from __future__ import annotations
 
+import abc
+
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -68,10 +70,10 @@ def verify_cost(k: int, table: dict[int, float] = VERIFY_COST) -> float:
 
 def draft_budget(req: "Request", engine: "Engine") -> int:
     """The engine's draft budget for ``req`` this step (the cap it truncates every draft to)."""
-    return engine._budget(req)
+    return engine.draft_budget(req)
 
 
-class Policy:
+class Policy(abc.ABC):
     """Base: ``decide`` picks a source; ``__call__`` is the engine hook.
 
     ``cache`` is the engine's ``SuffixDrafter``, ``model`` its model drafter (or None), ``flags``
@@ -88,8 +90,9 @@ class Policy:
     def model_depth(self) -> int:
         return int(getattr(self.model, "depth", 0)) if self.model is not None else 0
 
+    @abc.abstractmethod
     def decide(self, view: StepView) -> tuple[str, float | None]:
-        raise NotImplementedError
+        """(source, predicted accepted length or None) for one step."""
 
     # ------------------------------------------------------------------ online
     def observe(self, req: "Request", engine: "Engine") -> tuple[StepView, Draft]:

@@ -50,7 +50,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -154,8 +154,7 @@ class GlobalReplay:
         # What begin + accept* + end leave in the global tree (with or without global_live): a
         # cache slot (evicting the oldest beyond the bound), then the output. No request tree.
         d, rid = self.drafter, f"seq-{self._seqs[i]}"
-        if d._cache(rid):
-            d.global_tree.extend(rid, self._outs[i])
+        d.add_to_global(rid, self._outs[i])
 
     def drafter_before(self, seq: int) -> SuffixDrafter:
         i = bisect.bisect_left(self._seqs, seq)
