@@ -26,8 +26,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    g.add_argument("--drafter", default="none", help="none | suffix | eagle3 | layerskip | draft-model")
-    g.add_argument("--num-draft-tokens", type=int, default=8)
+    g.add_argument("--drafter", default="none", help="none | hvd | suffix | eagle3 | layerskip | draft-model")
+    g.add_argument("--num-draft-tokens", type=int, default=16)
+    g.add_argument("--policy", default="tau", help="with --drafter hvd: tau | cost | score | always-cache | always-model")
+    g.add_argument("--predictor", default=None, help="yield predictor artifact (default: the shipped one)")
+    g.add_argument("--model-drafter", default="layerskip", help="with --drafter hvd: layerskip | eagle3 | draft-model")
     g.add_argument("--draft-model", default=None, help="folder of the draft model (--drafter draft-model)")
     g.add_argument("--eagle3-head", default=None, help="folder of an EAGLE-3 head (--drafter eagle3)")
     g.add_argument("--json", action="store_true", help="print the stats line as JSON")
@@ -46,7 +49,15 @@ def generate(args: argparse.Namespace) -> int:
         model, tok = load(args.model, args.dtype, args.device)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop=args.stop)
-        drafter = make_drafter(args.drafter, model, draft_model=args.draft_model, eagle3_head=args.eagle3_head)
+        policy = None
+        if args.drafter == "hvd":
+            from .selection.hvd import build_hvd
+
+            drafters, policy = build_hvd(model, tok, policy=args.policy, predictor=args.predictor,
+                                         model_drafter=args.model_drafter, eagle3_head=args.eagle3_head)
+        else:
+            drafter = make_drafter(args.drafter, model, draft_model=args.draft_model, eagle3_head=args.eagle3_head)
+            drafters = [drafter] if drafter else []
     except (ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -57,7 +68,7 @@ def generate(args: argparse.Namespace) -> int:
         ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tok(args.prompt)["input_ids"]
-    engine = Engine(model, drafters=[drafter] if drafter else [], max_batch=1,
+    engine = Engine(model, drafters=drafters, policy=policy, max_batch=1,
                     max_len=min(model.cfg.max_position, len(ids) + args.max_tokens + args.num_draft_tokens + 64),
                     num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
                     detokenize=lambda t: tok.decode(t, skip_special_tokens=True))

@@ -150,25 +150,35 @@ def bench_engine(args) -> str:
 
 
 # ----------------------------------------------------------------------------------------- spec
-def bench_spec(args) -> str:
-    """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s."""
+def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object]:
+    """(drafters, policy) for a method name: a drafter ("suffix", "layerskip", "eagle3", with "-tree"
+    for tree drafts) or "hvd-<policy>" (suffix + model drafter + selection policy)."""
     from hvd_ray.drafters import make_drafter
 
+    if name.startswith("hvd-"):
+        from hvd_ray.selection.hvd import build_hvd
+
+        return build_hvd(model, tok, policy=name[4:], predictor=args.predictor, model_drafter=args.model_drafter,
+                         eagle3_head=args.eagle3_head, slots=1, max_len=max_len)
+    base, tree = (name[:-5], True) if name.endswith("-tree") else (name, False)
+    return [make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len, tree=tree)], None
+
+
+def bench_spec(args) -> str:
+    """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s."""
     model, tok = load("default", "bfloat16")
     n_per = 3 if args.quick else 6
     prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens)
-    methods: dict[str, object] = {"greedy": None}
-    for name in args.drafters:  # "<drafter>-tree" = that drafter with tree drafts
-        base, tree = (name[:-5], True) if name.endswith("-tree") else (name, False)
+    max_len = args.max_prompt_tokens + args.max_tokens + 64
+    methods: dict[str, tuple[list, object]] = {"greedy": ([], None)}
+    for name in args.drafters:
         try:
-            methods[name] = make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1,
-                                         max_len=args.max_prompt_tokens + args.max_tokens + 64, tree=tree)
-        except ValueError as e:
+            methods[name] = make_method(name, model, tok, args, max_len)
+        except (ValueError, FileNotFoundError) as e:
             print(f"skipping {name}: {e}", file=sys.stderr)
-    engines = {m: Engine(model, drafters=[d] if d else [], max_batch=1,
-                         max_len=args.max_prompt_tokens + args.max_tokens + 64,
+    engines = {m: Engine(model, drafters=ds, policy=pol, max_batch=1, max_len=max_len,
                          num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id])
-               for m, d in methods.items()}
+               for m, (ds, pol) in methods.items()}
     params = SamplingParams(max_tokens=args.max_tokens)
     engines["greedy"].generate([prompts[0][2]], params)  # warm-up
     rows: dict[tuple[str, str], dict] = {}
@@ -184,7 +194,8 @@ def bench_spec(args) -> str:
             identical[m].append(req.output == ref_out)
             st = req.stats.summary(len(req.output))
             acc = rows.setdefault((w, m), {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0,
-                                           "draft_s": 0.0})
+                                           "draft_s": 0.0, "cache_steps": 0})
+            acc["cache_steps"] += sum(s.source.startswith("suffix") for s in req.stats.steps)
             acc["tokens"] += len(req.output)
             acc["time"] += dt
             acc["forwards"] += st["target_forwards"]
@@ -206,10 +217,11 @@ def bench_spec(args) -> str:
         "",
         "MAT = mean accepted tokens per target forward (decode steps: accepted draft tokens + 1); "
         "fwd/1k = target forwards (prefill included) per 1,000 generated tokens; speedup = tok/s over "
-        "greedy's tok/s on the same prompts in the same run; draft share = drafting time / wall time.",
+        "greedy's tok/s on the same prompts in the same run; draft share = drafting time / wall time; "
+        "cache chosen = share of decode steps that verified a suffix-cache draft.",
         "",
-        "| workload | method | MAT | fwd/1k | tok/s | speedup | draft share |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | method | MAT | fwd/1k | tok/s | speedup | draft share | cache chosen |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for w in args.workloads:
         g = rows.get((w, "greedy"))
@@ -221,7 +233,7 @@ def bench_spec(args) -> str:
             tps = r["tokens"] / r["time"]
             lines.append(f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
                          f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
-                         f"{100 * r['draft_s'] / r['time']:.1f}% |")
+                         f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% |")
     lines += ["", "Outputs identical to greedy (bf16; batch-shape rounding may flip near-ties): " +
               ", ".join(f"{m} {sum(v)}/{len(v)}" for m, v in identical.items() if m != "greedy"), ""]
     return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(
@@ -234,6 +246,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
     ap.add_argument("--eagle3-head", default=None)
+    ap.add_argument("--predictor", default=None, help="yield predictor for hvd-* methods (default: shipped)")
+    ap.add_argument("--model-drafter", default="layerskip", help="model drafter of hvd-* methods")
     ap.add_argument("--num-draft-tokens", type=int, default=16)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")

@@ -70,19 +70,25 @@ def drafter_for(name, model, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["suffix", "suffix-tree", "layerskip", "draft-model", "eagle3", "eagle3-tree"])
+@pytest.mark.parametrize("name", ["suffix", "suffix-tree", "layerskip", "draft-model", "eagle3", "eagle3-tree",
+                                  "hvd-tau", "hvd-cost"])
 def test_greedy_speculative_is_token_identical(name, target, prompts, plain, tmp_path_factory):
-    model, _ = target
-    drafter = drafter_for(name, model, tmp_path_factory)
+    model, tok = target
+    if name.startswith("hvd-"):  # suffix + layer-skip drafts, chosen per step by the shipped predictor
+        from hvd_ray.selection.hvd import build_hvd
+
+        drafters, policy = build_hvd(model, tok, policy=name[4:], max_len=1024)
+    else:
+        drafters, policy = [drafter_for(name, model, tmp_path_factory)], None
     params = SamplingParams(max_tokens=MAX_NEW)
     # batch 4 over all prompts
-    engine = Engine(model, drafters=[drafter], max_batch=4, max_len=1024, num_draft_tokens=6)
+    engine = Engine(model, drafters=drafters, policy=policy, max_batch=4, max_len=1024, num_draft_tokens=6)
     reqs = engine.generate(prompts, params)
     assert [r.output for r in reqs] == plain
     steps = [s for r in reqs for s in r.stats.steps]
     assert sum(s.drafted for s in steps) > 0  # the drafter really drafted
     # batch 1 on a few prompts
-    engine = Engine(model, drafters=[drafter], max_batch=1, max_len=1024, num_draft_tokens=6)
+    engine = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=1024, num_draft_tokens=6)
     for ids, want in list(zip(prompts, plain))[::7]:
         assert engine.generate([ids], params)[0].output == want
 

@@ -1,0 +1,55 @@
+"""Assemble Hybrid Verified Decoding: the suffix cache drafter, a model drafter and a policy.
+
+The shipped predictor (trained on the default model's traces by jobs/train_predictor.py) lives in
+``hvd_ray/assets/predictor-smollm2``, pinned by the SHA-256 of its weights, so ``--drafter hvd``
+works out of the box for the default model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ..drafters import make_drafter
+from ..drafters.suffix import SuffixDrafter
+from .features import VocabFlags
+from .policy import AlwaysCache, AlwaysModel, CostPolicy, Policy, ScoreRule, TauPolicy
+from .predictor import WEIGHTS_FILE, YieldPredictor
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+SHIPPED_PREDICTOR = ASSETS / "predictor-smollm2"
+POLICIES = ("tau", "cost", "score", "always-cache", "always-model")
+
+
+def load_predictor(path: str | Path | None = None) -> YieldPredictor:
+    """A predictor artifact; the shipped one is checked against its pinned checksum."""
+    if path is not None:
+        return YieldPredictor.load(path)
+    pin = json.loads((SHIPPED_PREDICTOR / "checksum.json").read_text())
+    digest = hashlib.sha256((SHIPPED_PREDICTOR / WEIGHTS_FILE).read_bytes()).hexdigest()
+    if digest != pin["sha256"]:
+        raise ValueError(f"shipped predictor {SHIPPED_PREDICTOR} fails its checksum ({digest} != {pin['sha256']})")
+    return YieldPredictor.load(SHIPPED_PREDICTOR)
+
+
+def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = None, tau: float = 6.0,
+              model_drafter: str = "layerskip", eagle3_head: str | None = None, slots: int = 8,
+              max_len: int = 2048) -> tuple[list, Policy]:
+    """(drafters for the Engine, the policy to pass as ``Engine(policy=...)``)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    cache = SuffixDrafter()
+    drafter = make_drafter(model_drafter, model, eagle3_head=eagle3_head, slots=slots, max_len=max_len)
+    flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)
+    if policy in ("tau", "cost"):
+        g = load_predictor(predictor)
+        pol: Policy = (TauPolicy(g, cache, drafter, flags, tau=tau) if policy == "tau"
+                       else CostPolicy(g, cache, drafter, flags))
+    elif policy == "score":
+        pol = ScoreRule(cache, drafter, flags, tau=tau)
+    elif policy == "always-cache":
+        pol = AlwaysCache(cache, drafter, flags)
+    else:
+        pol = AlwaysModel(cache, drafter, flags)
+    return [d for d in (cache, drafter) if d is not None], pol
