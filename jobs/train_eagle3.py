@@ -44,35 +44,41 @@ def sequences(traces_dir: str, splits: set[str]) -> list[list[int]]:
     return [r["prompt_tokens"] + r["output_tokens"] for r in rows if split_of(r["prompt_id"]) in splits]
 
 
-def prepare(args) -> tuple[list[Path], list[Path], list[int]]:
-    """Feature shards for training and held-out sequences, and the draft vocabulary."""
-    feat = Path(args.out) / "features"
-    target = Transformer.from_pretrained(resolve(args.model), dtype=parse_dtype(args.feature_dtype))
-    taps = taps_for(default_aux_layer_ids(target.cfg.n_layers))
-    shards = {}
-    for name, src, splits in (("train", args.traces, {"train"}),
-                              ("heldout", args.heldout or args.traces, {"validation", "test"})):
-        folder = feat / name
-        if not (folder / "done").exists():
-            seqs = sequences(src, splits)[: args.max_sequences]
-            if not seqs:
-                raise SystemExit(f"no {name} sequences in {src} (splits {sorted(splits)})")
-            print(f"[features] {name}: {len(seqs)} sequences -> {folder}", file=sys.stderr)
-            t0 = time.time()
-            write_shards(_progress(extract_features(target, seqs, taps, args.max_len), len(seqs), name), folder)
-            (folder / "done").write_text(json.dumps({"sequences": len(seqs), "seconds": time.time() - t0}))
-        shards[name] = sorted(folder.glob("shard-*.safetensors"))
-    vocab_file = feat / "draft_vocab.json"
+def features_for(args, name: str, src: str, splits: set[str]) -> list[Path]:
+    """Feature shards of one sequence set, extracted once (``<out>/features/<name>``)."""
+    folder = Path(args.out) / "features" / name
+    if not (folder / "done").exists():
+        seqs = sequences(src, splits)[: args.max_sequences]
+        if not seqs:
+            raise SystemExit(f"no {name} sequences in {src} (splits {sorted(splits)})")
+        target = Transformer.from_pretrained(resolve(args.model), dtype=parse_dtype(args.feature_dtype))
+        taps = taps_for(default_aux_layer_ids(target.cfg.n_layers))
+        print(f"[features] {name}: {len(seqs)} sequences -> {folder}", file=sys.stderr)
+        t0 = time.time()
+        write_shards(_progress(extract_features(target, seqs, taps, args.max_len), len(seqs), name), folder)
+        (folder / "done").write_text(json.dumps({"sequences": len(seqs), "seconds": time.time() - t0}))
+    return sorted(folder.glob("shard-*.safetensors"))
+
+
+def draft_vocab(args, shards: list[Path]) -> list[int]:
+    """The reduced draft vocabulary: the most frequent target predictions on the training set."""
+    vocab_file = Path(args.out) / "features" / "draft_vocab.json"
     if not vocab_file.exists():
-        counts = torch.zeros(target.cfg.vocab_size, dtype=torch.long)
-        for p in shards["train"]:
+        counts = None
+        for p in shards:
             for s in read_shard(p):
-                counts += torch.bincount(s["pred"].long(), minlength=target.cfg.vocab_size)
+                c = torch.bincount(s["pred"].long())
+                counts = c if counts is None else _add(counts, c)
         ids = draft_vocab_from_counts(counts, args.draft_vocab)
         covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
         vocab_file.write_text(json.dumps({"ids": ids, "coverage": covered}))
         print(f"[vocab] {len(ids)} draft tokens cover {covered:.1%} of target predictions", file=sys.stderr)
-    return shards["train"], shards["heldout"], json.loads(vocab_file.read_text())["ids"]
+    return json.loads(vocab_file.read_text())["ids"]
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    n = max(a.numel(), b.numel())
+    return torch.nn.functional.pad(a, (0, n - a.numel())) + torch.nn.functional.pad(b, (0, n - b.numel()))
 
 
 def _progress(it, total: int, name: str):
@@ -154,6 +160,8 @@ def fit(args, train_shards: list[Path], vocab: list[int]):
 
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", num_cpus=max(2, args.workers),
              include_dashboard=False, ignore_reinit_error=True)
+    # Ray Train's helper actors look the cluster up again: point them at ours, not another local one
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     storage = (Path(args.out) / "ray_train").resolve()
     config = {"model_folder": str(resolve(args.model)), "vocab": vocab, "shards": [str(p) for p in train_shards],
               "lr": args.lr, "epochs": args.epochs, "steps": args.ttt_steps, "seed": args.seed,
@@ -226,8 +234,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    train_shards, heldout_shards, vocab = prepare(args)
+    train_shards = features_for(args, "train", args.traces, {"train"})
+    vocab = draft_vocab(args, train_shards)
     result = fit(args, train_shards, vocab)
+    heldout_shards = features_for(args, "heldout", args.heldout or args.traces, {"validation", "test"})
     with result.checkpoint.as_directory() as d:
         target = Transformer.from_pretrained(resolve(args.model), dtype=torch.float32)
         head = Eagle3Head.load(Path(d) / "head", target, dtype=torch.float32)

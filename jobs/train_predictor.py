@@ -263,6 +263,10 @@ def train(a: argparse.Namespace) -> dict:
         "numpy_vs_sklearn_max_abs_diff": float(np.max(np.abs(yhat_te - sk_te))) if len(yte) else 0.0,
         "latency_single_phi": latency_p50_us(pred, Xte if len(Xte) else Xtr),
         "calibration": calibration(yte, yhat_te) if len(yte) else [],
+        "test_per_workload": {
+            w: regression_metrics(yte[wl == w], yhat_te[wl == w], a.tau)
+            for wl in [np.asarray(tte.column("workload").to_pylist()) if len(yte) else np.zeros(0, str)]
+            for w in sorted(set(wl.tolist()))},
     }
     if len(yte) >= 20:
         m = min(len(yte), a.importance_rows)
@@ -306,6 +310,11 @@ def render_md(r: dict, tau: float) -> str:
                     ("train mean", r["baseline_train_mean"]), ("MLP g_θ, step starts only", r["test_step_starts"]),
                     ("suffix score, step starts only", r["baseline_score_step_starts"])):
         lines.append(f"| {name} | {_f(m.get('mse'))} | {_f(m.get('mae'))} | {_f(m.get('precision' + k))} | "
+                     f"{_f(m.get('recall' + k))} |")
+    lines += ["", "Per workload (test, all positions):", "", "| workload | rows | MSE | precision ŷ≥τ | recall ŷ≥τ |",
+              "| --- | --- | --- | --- | --- |"]
+    for w, m in r.get("test_per_workload", {}).items():
+        lines.append(f"| {w} | {m.get('rows', '—')} | {_f(m.get('mse'))} | {_f(m.get('precision' + k))} | "
                      f"{_f(m.get('recall' + k))} |")
     lines += ["", f"Positives (y ≥ {tau:g}) in test: {t.get('actual_pos' + k, 0)}; predicted: {t.get('predicted_pos' + k, 0)}.",
               f"numpy artifact vs sklearn, max |Δŷ|: {r['numpy_vs_sklearn_max_abs_diff']:.2e}; single-φ predict "

@@ -27,11 +27,10 @@ def make_drafter(name: str, model, *, draft_model: str | None = None, eagle3_hea
             raise ValueError("--drafter draft-model needs --draft-model FOLDER (a model sharing the tokenizer)")
         return draft_model_drafter(draft_model, model, slots=slots, max_len=max_len)
     if name == "eagle3":
-        from .eagle3 import Eagle3Drafter, Eagle3Head
+        from .eagle3 import Eagle3Drafter, Eagle3Head, shipped_head
 
-        if not eagle3_head:
-            raise ValueError("--drafter eagle3 needs --eagle3-head FOLDER (an EAGLE-3 head for this target)")
-        return Eagle3Drafter(model, Eagle3Head.load(eagle3_head, model), tree=tree, slots=slots, max_len=max_len)
+        head = Eagle3Head.load(eagle3_head, model) if eagle3_head else shipped_head(model)
+        return Eagle3Drafter(model, head, tree=tree, slots=slots, max_len=max_len)
     raise ValueError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
 
 

@@ -830,3 +830,23 @@ def _running_products(xs: Sequence[float]) -> list[float]:
         acc *= x
         out.append(acc)
     return out
+
+
+SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "assets" / "eagle3-smollm2"
+
+
+def shipped_head(target: Transformer) -> Eagle3Head:
+    """The EAGLE-3 head trained for the default model by jobs/train_eagle3.py, checksum-pinned."""
+    import hashlib
+
+    pin_file = SHIPPED_HEAD / "checksum.json"
+    if not pin_file.exists():
+        raise ValueError("no EAGLE-3 head is shipped for this model: pass --eagle3-head FOLDER")
+    pin = json.loads(pin_file.read_text())
+    digest = hashlib.sha256((SHIPPED_HEAD / WEIGHTS_FILE).read_bytes()).hexdigest()
+    if digest != pin["sha256"]:
+        raise ValueError(f"shipped EAGLE-3 head fails its checksum ({digest} != {pin['sha256']})")
+    if target.cfg.dim != pin.get("target_hidden_size", target.cfg.dim) or target.cfg.vocab_size != pin.get(
+            "target_vocab_size", target.cfg.vocab_size):
+        raise ValueError("the shipped EAGLE-3 head is for SmolLM2-135M-Instruct; pass --eagle3-head for this model")
+    return Eagle3Head.load(SHIPPED_HEAD, target)

@@ -19,6 +19,7 @@ from .predictor import WEIGHTS_FILE, YieldPredictor
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_PREDICTOR = ASSETS / "predictor-smollm2"
+EAGLE3_ASSET = ASSETS / "eagle3-smollm2"
 POLICIES = ("tau", "cost", "score", "always-cache", "always-model")
 
 
@@ -44,8 +45,18 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
     flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)
     if policy in ("tau", "cost"):
         g = load_predictor(predictor)
-        pol: Policy = (TauPolicy(g, cache, drafter, flags, tau=tau) if policy == "tau"
-                       else CostPolicy(g, cache, drafter, flags))
+        if policy == "tau":
+            pol: Policy = TauPolicy(g, cache, drafter, flags, tau=tau)
+        elif model_drafter == "eagle3":
+            # a one-layer head drafts at a small fraction of a target forward per token (measured
+            # ~0.1-0.15 here); its mean accepted length comes from its held-out training report
+            report = Path(eagle3_head) if eagle3_head else EAGLE3_ASSET
+            meta = json.loads((report / "training.json").read_text()) if (report / "training.json").exists() else {}
+            accept = meta.get("heldout", {}).get("mean_accepted_tokens_per_forward")
+            pol = CostPolicy(g, cache, drafter, flags, model_token_cost=0.15,
+                             model_accept=(accept - 1.0) if accept else None)
+        else:
+            pol = CostPolicy(g, cache, drafter, flags)
     elif policy == "score":
         pol = ScoreRule(cache, drafter, flags, tau=tau)
     elif policy == "always-cache":
