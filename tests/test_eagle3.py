@@ -171,12 +171,13 @@ def test_chain_drafting_incrementally_equals_recomputing(target):
     toks = prefill(target, inc, "a", prompt, 0)
     n0 = inc.committed("a")
     assert n0 == len(toks) - 1 == target.cache.lengths[0]
-    snap = head_snapshot(head, 0, n0)
-    d1 = inc.propose([ask("a", 0, toks)])[0]
+    d1 = inc.propose([ask("a", 0, toks)])[0]  # the head catches up on the prompt, then drafts
     assert len(d1) == 5 and d1.is_chain and d1.source == "eagle3"
     assert all(0 < p <= 1 for p in d1.probs)
     assert inc.committed("a") == n0  # drafting rolled itself back
-    assert all(torch.equal(a, b) for a, b in zip(snap, head_snapshot(head, 0, n0)))
+    snap = head_snapshot(head, 0, n0)
+    assert inc.propose([ask("a", 0, toks)])[0].token_ids == d1.token_ids  # drafting again: same draft
+    assert all(torch.equal(a, b) for a, b in zip(snap, head_snapshot(head, 0, n0)))  # committed rows kept
     assert d1.probs == pytest.approx(inc.score_path("a", d1.token_ids), abs=1e-5)
 
     history = [d1]
@@ -221,10 +222,11 @@ def test_tree_is_valid_and_contains_the_chain(target):
     tree_d = Eagle3Drafter(target, head, tree=True, top_k=3, depth=4, max_nodes=16)
     prefill(target, tree_d, "t", prompt, 1)
     n = tree_d.committed("t")
-    snap = head_snapshot(head, 1, n)
-    tree = tree_d.propose([ask("t", 1, toks, 16)])[0]
+    tree = tree_d.propose([ask("t", 1, toks, 16)])[0]  # catches up on the prompt, then drafts
     assert tree_d.committed("t") == n
-    assert all(torch.equal(a, b) for a, b in zip(snap, head_snapshot(head, 1, n)))
+    snap = head_snapshot(head, 1, n)
+    assert tree_d.propose([ask("t", 1, toks, 16)])[0].token_ids == tree.token_ids
+    assert all(torch.equal(a, b) for a, b in zip(snap, head_snapshot(head, 1, n)))  # committed rows kept
     check_parents(tree.parents)
     assert len(tree) == 16 and not tree.is_chain
     depth = []

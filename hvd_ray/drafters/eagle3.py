@@ -538,6 +538,10 @@ class _ReqState:
     hidden: Tensor | None = None  # [H] the head's last pre-norm output (the feature to continue from)
     logp: Tensor | None = None  # [V_draft] fp32 log-probs of that output (the next draft token)
     last_token: int | None = None  # the token paired with the last observed tap (pending in target)
+    # observations not yet run through the head: it catches up only when asked to draft, so a
+    # policy that verifies other drafts most steps does not pay a head forward on every step
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_taps: list[Tensor] = field(default_factory=list)
 
 
 class Eagle3Drafter:
@@ -626,11 +630,13 @@ class Eagle3Drafter:
 
     def committed(self, req_id: str) -> int:
         """The head's committed cache length for a request (= the target's committed length)."""
-        return self.head.cache.lengths[self._state(req_id).slot]
+        st = self._state(req_id)
+        return self.head.cache.lengths[st.slot] + len(st.pending_tokens)
 
     def rollback(self, req_id: str, length: int) -> None:
         """Forget observed positions from ``length`` on (the next observe must re-supply them)."""
         st = self._state(req_id)
+        self._catch_up(req_id, st)
         self.head.cache.truncate(st.slot, length)
         st.hidden = st.logp = st.last_token = None
 
@@ -649,26 +655,36 @@ class Eagle3Drafter:
         raise ValueError(f"taps are {width} wide; expected {len(self.needs_taps)} x {Ht} "
                          f"(the target's layers {self.needs_taps} concatenated in that order)")
 
-    @torch.inference_mode()
     def observe_target(self, req_id: str, next_tokens: Sequence[int], taps: Tensor) -> None:
-        """Run the head over ``n`` committed positions: ``taps [n, 3*H_target]`` with the tokens
-        that follow them. Appends n rows to the head's cache (at the target's positions)."""
+        """Record ``n`` committed positions: ``taps [n, 3*H_target]`` with the tokens that follow
+        them. The head runs over them (appending n rows to its cache, at the target's positions)
+        the next time it drafts for this request."""
         st = self._state(req_id)
         n = len(next_tokens)
         if taps.dim() != 2 or taps.shape[0] != n:
             raise ValueError(f"taps must be [n, width] with n = len(next_tokens) = {n}; got {tuple(taps.shape)}")
         if n == 0:
             return
+        st.pending_tokens.extend(int(t) for t in next_tokens)
+        st.pending_taps.append(self._order_taps(taps))
+
+    @torch.inference_mode()
+    def _catch_up(self, req_id: str, st: _ReqState) -> None:
+        """Run the head over the observations recorded since it last drafted for this request."""
+        if not st.pending_tokens:
+            return
         head = self.head
         cache = self._ensure_cache()
+        n = len(st.pending_tokens)
         if cache.lengths[st.slot] + n + self.draft_room > cache.max_len:
             raise ValueError(f"request {req_id!r} would overflow the head's cache ({cache.max_len} rows)")
-        fused = head.fuse(self._order_taps(taps))[None]
-        tokens = torch.tensor([list(next_tokens)], device=head.device)
+        fused = head.fuse(torch.cat(st.pending_taps))[None]
+        tokens = torch.tensor([st.pending_tokens], device=head.device)
         prenorm, logits = head(tokens, fused, [st.slot])
         st.hidden = prenorm[0, -1]
         st.logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
-        st.last_token = int(next_tokens[-1])
+        st.last_token = st.pending_tokens[-1]
+        st.pending_tokens, st.pending_taps = [], []
 
     # --------------------------------------------------------------------------------- propose
     @torch.inference_mode()
@@ -677,7 +693,10 @@ class Eagle3Drafter:
         live: list[tuple[int, _ReqState, int, int]] = []  # (index, state, committed, budget)
         for i, r in enumerate(reqs):
             st = self._state(r.req_id)
-            if st.logp is None or r.max_tokens <= 0:
+            if r.max_tokens <= 0:
+                continue
+            self._catch_up(r.req_id, st)
+            if st.logp is None:
                 continue
             n = self.head.cache.lengths[st.slot]
             if r.slot != st.slot:
@@ -805,6 +824,7 @@ class Eagle3Drafter:
         """The head's probability of each target token along a path from the pending token, by
         plain sequential head steps (nothing is committed). Tokens outside the draft vocab get 0."""
         st = self._state(req_id)
+        self._catch_up(req_id, st)
         if st.logp is None:
             raise RuntimeError(f"request {req_id!r} has no observed positions yet")
         head = self.head
