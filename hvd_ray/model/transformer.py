@@ -162,7 +162,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def reduce_shards(x: Tensor, group) -> Tensor:
+    """Sum a row-parallel projection's partial outputs over its tensor-parallel group (see tp.py);
+    a no-op for an unsharded module (``group`` None)."""
+    if group is not None:
+        torch.distributed.all_reduce(x, group=group)
+    return x
+
+
 class Attention(nn.Module):
+    tp_group = None  # set by tp.apply_tensor_parallel: this module then holds only its ranks' heads
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -193,7 +203,7 @@ class Attention(nn.Module):
             if ctx.fresh_prefill:  # no prefix, causal: the fused SDPA kernel on the new K/V is fastest
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                      is_causal=True, enable_gqa=H != KV)
-                return linear(out.transpose(1, 2).reshape(B, T, H * D), self.wo)
+                return reduce_shards(linear(out.transpose(1, 2).reshape(B, T, H * D), self.wo), self.tp_group)
             keys, vals = kc[slot : slot + 1, :, : ctx.span], vc[slot : slot + 1, :, : ctx.span]
         else:
             idx = (ctx.slot_idx[:, None, :], ctx.head_idx, ctx.write_pos[:, None, :])  # [B, KV, T]
@@ -204,10 +214,12 @@ class Attention(nn.Module):
                 keys, vals = kc[a:b, :, : ctx.span], vc[a:b, :, : ctx.span]
             else:
                 keys, vals = kc[ctx.slots_t, :, : ctx.span], vc[ctx.slots_t, :, : ctx.span]
-        return linear(attend(q, keys, vals, ctx.mask), self.wo)
+        return reduce_shards(linear(attend(q, keys, vals, ctx.mask), self.wo), self.tp_group)
 
 
 class MLP(nn.Module):
+    tp_group = None  # set by tp.apply_tensor_parallel: this module then holds a slice of the intermediate
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
@@ -216,7 +228,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = linear(x, self.w13).split(self.inter, -1)
-        return linear(F.silu(gate) * up, self.w2)
+        return reduce_shards(linear(F.silu(gate) * up, self.w2), self.tp_group)
 
 
 class Block(nn.Module):
@@ -235,8 +247,9 @@ class KVCache:
     is far cheaper than touching a tensor. Entries past ``lengths[slot]`` are garbage by contract.
     """
 
-    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (slots, cfg.n_kv_heads, max_len, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 kv_heads: int | None = None):
+        shape = (slots, kv_heads or cfg.n_kv_heads, max_len, cfg.head_dim)  # a TP rank holds only its heads
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.lengths = [0] * slots
@@ -322,7 +335,8 @@ class Transformer(nn.Module):
             raise ValueError(f"max_len {max_len} exceeds the model's context ({self.cfg.max_position})")
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        self.cache = KVCache(self.cfg, slots, max_len, dtype, self.device)
+        kv_heads = self.layers[0].attn.n_kv if len(self.layers) else None  # per rank under tensor parallel
+        self.cache = KVCache(self.cfg, slots, max_len, dtype, self.device, kv_heads)
         if self._rope_len < max_len:
             cos, sin = rope_tables(self.cfg, max_len)
             self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
@@ -390,7 +404,7 @@ class Transformer(nn.Module):
             ctx.slots_t = torch.tensor(list(slots), device=dev)
             ctx.slot_idx = ctx.slots_t[:, None].expand(B, T)
             ctx.write_pos = start_t[:, None] + torch.arange(T, device=dev)
-            ctx.head_idx = torch.arange(self.cfg.n_kv_heads, device=dev)[None, :, None]
+            ctx.head_idx = torch.arange(cache.k[0].shape[1], device=dev)[None, :, None]
 
         skipped = set(skip or ())
         tap_set = set(taps)

@@ -34,6 +34,10 @@ class ServingConfig(BaseModel):
     max_model_len: int = Field(2048, ge=16, description="context per request (prompt + output); capped by the model")
     max_tokens: int = Field(1024, ge=1, description="the largest `max_tokens` a request may ask for (and the default)")
     torch_threads: int | None = Field(2, ge=1, description="torch threads per replica (capped by the core count)")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is sharded over (rank actors in a "
+                                      "placement group, gloo on CPU / NCCL on GPU); at most the model's KV heads")
+    tp_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1},
+                                                 description="Ray resources of each tensor-parallel rank actor")
 
     # --- HTTP
     api_key: str | None = Field(None, description="require `Authorization: Bearer <api_key>` (env HVD_RAY_API_KEY)")

@@ -202,15 +202,22 @@ class ModelReplica:
         if cfg.torch_threads:
             torch.set_num_threads(max(1, min(cfg.torch_threads, os.cpu_count() or 1)))
         self.cfg = cfg
-        self.model, self.tok = load(cfg.model, cfg.dtype, cfg.device)
-        max_len = min(cfg.max_model_len, self.model.cfg.max_position)
-        drafter = make_drafter(cfg.drafter, self.model, draft_model=cfg.draft_model, eagle3_head=cfg.eagle3_head,
-                               skip=cfg.layerskip, slots=cfg.max_batch, max_len=max_len)
-        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
-        self.engine = Engine(self.model, drafters=[drafter] if drafter else [], max_batch=cfg.max_batch,
-                             max_len=max_len, num_draft_tokens=cfg.num_draft_tokens if drafter else 0,
-                             eos_token_ids=eos,
-                             detokenize=lambda t: self.tok.decode(t, skip_special_tokens=True))
+        if cfg.tensor_parallel_size > 1:  # the model lives sharded in rank actors (tensor_parallel.py)
+            from .tensor_parallel import TensorParallelEngine
+
+            self.engine = TensorParallelEngine.from_serving_config(cfg)
+            self.model, self.tok = self.engine.model, self.engine.tokenizer
+        else:
+            self.model, self.tok = load(cfg.model, cfg.dtype, cfg.device)
+            max_len = min(cfg.max_model_len, self.model.cfg.max_position)
+            drafter = make_drafter(cfg.drafter, self.model, draft_model=cfg.draft_model,
+                                   eagle3_head=cfg.eagle3_head, skip=cfg.layerskip, slots=cfg.max_batch,
+                                   max_len=max_len)
+            eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+            self.engine = Engine(self.model, drafters=[drafter] if drafter else [], max_batch=cfg.max_batch,
+                                 max_len=max_len, num_draft_tokens=cfg.num_draft_tokens if drafter else 0,
+                                 eos_token_ids=eos,
+                                 detokenize=lambda t: self.tok.decode(t, skip_special_tokens=True))
         try:
             self.metrics: _Metrics | None = _Metrics()
         except Exception:  # noqa: BLE001 - metrics must never keep a replica from serving
