@@ -272,7 +272,11 @@ class KVCache:
         positions and must become contiguous. ``keep`` is increasing, so a gather-then-write is safe.
         """
         n = len(keep)
-        if list(keep) != list(range(n)):
+        if list(keep) != list(range(n)) and self.k[0].device.type == "cuda":
+            from kernels import compact_kv  # Triton: in place, one launch per layer, no gathered copy
+
+            compact_kv(self.k, self.v, [slot], [start], [keep])
+        elif list(keep) != list(range(n)):
             src = torch.tensor(keep, device=self.k[0].device) + start
             for kc, vc in zip(self.k, self.v):
                 kc[slot, :, start : start + n] = kc[slot, :, src]

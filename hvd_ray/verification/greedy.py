@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .tree import tree_children
+from .tree import check_parents, tree_children
 
 
 def _as_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
@@ -28,6 +28,12 @@ def greedy_accept_chain(target_logits: torch.Tensor, draft_tokens: Sequence[int]
     draft = _as_list(draft_tokens)
     if target_logits.shape[0] != len(draft) + 1:
         raise ValueError(f"need {len(draft) + 1} logit rows, got {target_logits.shape[0]}")
+    if target_logits.device.type == "cuda":  # Triton kernel: reads rows only up to the first mismatch
+        from kernels import verify_greedy
+
+        acc, bonus = verify_greedy(target_logits[None], torch.tensor([draft], dtype=torch.long).reshape(1, -1),
+                                   [len(draft)])
+        return tuple(torch.stack([acc, bonus]).view(-1).tolist())
     best = target_logits.argmax(-1).tolist()
     k = 0
     while k < len(draft) and draft[k] == best[k]:
@@ -42,8 +48,19 @@ def greedy_accept_chain_batch(target_logits: torch.Tensor, drafts: torch.Tensor,
 
     ``target_logits`` ``[B, K+1, V]``, ``drafts`` ``[B, K]`` padded (padding is never accepted),
     ``draft_lens`` ``[B]``. Returns ``(accepted [B], bonus [B])`` as long tensors on the logits'
-    device.
+    device. On CUDA this runs the Triton kernel ``kernels.verify_greedy`` (same results).
     """
+    if target_logits.device.type == "cuda":
+        from kernels import verify_greedy
+
+        return verify_greedy(target_logits, drafts, draft_lens)
+    return greedy_accept_chain_batch_torch(target_logits, drafts, draft_lens)
+
+
+def greedy_accept_chain_batch_torch(target_logits: torch.Tensor, drafts: torch.Tensor,
+                                    draft_lens: torch.Tensor | Sequence[int]
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch implementation of ``greedy_accept_chain_batch`` (any device; the kernel's reference)."""
     B, K1, _ = target_logits.shape
     K = K1 - 1
     drafts = drafts.to(target_logits.device).reshape(B, K)
@@ -66,6 +83,14 @@ def greedy_accept_tree(target_logits: torch.Tensor, draft_tokens: Sequence[int] 
     draft = _as_list(draft_tokens)
     if len(parents) != len(draft) or target_logits.shape[0] != len(draft) + 1:
         raise ValueError("need len(parents) == len(draft) and len(draft) + 1 logit rows")
+    if target_logits.device.type == "cuda":  # Triton kernel: argmax only of the rows on the path
+        from kernels import verify_tree
+
+        check_parents(parents)
+        path, n, bonus = verify_tree(target_logits[None], torch.tensor([draft], dtype=torch.long).reshape(1, -1),
+                                     torch.tensor([list(parents)], dtype=torch.long).reshape(1, -1), [len(draft)])
+        n, bonus = torch.stack([n, bonus]).view(-1).tolist()
+        return path[0, :n].tolist(), bonus
     return greedy_walk(target_logits.argmax(-1).tolist(), draft, parents)
 
 

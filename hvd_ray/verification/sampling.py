@@ -86,6 +86,17 @@ def rejection_sample_chain(target_probs: torch.Tensor, draft_tokens: Sequence[in
     if draft_dists is not None and draft_dists.shape[0] != n:
         raise ValueError(f"need {n} draft distributions, got {draft_dists.shape[0]}")
     dev = target_probs.device
+    if dev.type == "cuda":
+        # Triton kernel (kernels/rejection.py): the same accept draws from the generator, then one
+        # uniform for an inverse-CDF draw instead of torch.multinomial; one host sync in all.
+        from kernels import verify_rejection
+
+        accept_u = torch.rand(n, generator=generator, device=dev)
+        sample_u = torch.rand(1, generator=generator, device=dev)
+        q = None if draft_dists is None else draft_dists.to(dev)[None]
+        acc, tok = verify_rejection(target_probs[None], torch.tensor([draft], dtype=torch.long).reshape(1, n),
+                                    [n], accept_u[None], sample_u, q)
+        return tuple(torch.stack([acc, tok]).view(-1).tolist())
     k = n
     if n:
         rows = torch.arange(n, device=dev)

@@ -1,0 +1,176 @@
+"""Triton kernels (``kernels/``) against their torch references.
+
+The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` in one subprocess, so the interpreter
+setting (read when Triton compiles a kernel) never reaches the other tests of this pytest process;
+``kernels.checks`` holds the checks, which ``kernels/check_gpu.py`` runs on a GPU as well. The
+torch side (references, CPU dispatch, the engine functions they must agree with) runs in process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK_NAMES = ["greedy", "greedy_ties", "tree", "rejection", "rejection_distribution", "kv_compact"]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str | None]:
+    """``kernels.checks.run_checks`` under the Triton interpreter: ``{check: None | error}``."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (pip install triton): the kernels cannot be interpreted")
+    code = ("import json, torch; torch.set_num_threads(1)\n"
+            "from kernels.checks import Setup, run_checks\n"
+            "print('RESULTS ' + json.dumps(run_checks(Setup(samples=200))))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+def test_every_check_ran(interpreted):
+    assert sorted(interpreted) == sorted(CHECK_NAMES)
+
+
+@pytest.mark.parametrize("name", CHECK_NAMES)
+def test_kernel_equals_reference_interpreted(interpreted, name):
+    assert interpreted[name] is None, interpreted[name]
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")  # no kernel has a multiply-add to fuse
+def test_kernels_compile_for_a_cuda_gpu():
+    """GPU code generation (PTX, then cubin for sm_90 through Triton's bundled ptxas), no GPU needed:
+    catches what the interpreter cannot, e.g. a loop-carried value changing type."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from kernels.checks import compile_for_cuda
+
+    done = compile_for_cuda(90, dtypes=("fp32", "bf16"))
+    assert len(done) == 10, done
+
+
+def test_interpreter_setting_does_not_leak():
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+# --- the torch side, in process ---------------------------------------------------------------
+
+def test_cpu_dispatch_runs_the_references():
+    import kernels
+    from hvd_ray.verification import greedy_accept_chain_batch, greedy_accept_tree
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 50, generator=g)
+    drafts = logits.argmax(-1)[:, :4].clone()
+    drafts[1, 1] += 1
+    lens = torch.tensor([4, 4, 0])
+    acc, bonus = kernels.verify_greedy(logits, drafts, lens)
+    assert acc.tolist() == [4, 1, 0]
+    assert all(torch.equal(a, b) for a, b in zip((acc, bonus), greedy_accept_chain_batch(logits, drafts, lens)))
+    parents = torch.tensor([[-1, -1, 0, 2]] * 3)
+    path, n, bonus = kernels.verify_tree(logits, drafts, parents, torch.tensor([4, 4, 2]))
+    for b, m in enumerate((4, 4, 2)):
+        want_path, want_bonus = greedy_accept_tree(logits[b, : m + 1], drafts[b, :m], parents[b, :m].tolist())
+        assert path[b, : n[b]].tolist() == want_path and int(bonus[b]) == want_bonus
+        assert (path[b, n[b]:] == -1).all()
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_rejection_reference_accepts_like_the_engine(with_q):
+    """Same generator, same uniforms for the accept tests: the accepted count is the engine's."""
+    from hvd_ray.verification import rejection_sample_chain
+
+    from kernels import verify_rejection_torch
+
+    g = torch.Generator().manual_seed(3)
+    V = 40
+    for trial in range(60):
+        n = trial % 6
+        p = (torch.randn(n + 1, V, generator=g) * 2).softmax(-1)
+        q = (torch.randn(n, V, generator=g) * 2).softmax(-1) if with_q else None
+        follow = p.argmax(-1)[:n] if trial % 2 else torch.randint(0, V, (n,), generator=g)
+        seed = 100 + trial
+        k_engine, tok_engine = rejection_sample_chain(p, follow, q, torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        accept_u = torch.rand(n, generator=gen)[None]
+        sample_u = torch.rand(1, generator=gen)
+        acc, tok = verify_rejection_torch(p[None], follow[None], [n], accept_u, sample_u,
+                                          None if q is None else q[None])
+        assert int(acc) == k_engine
+        row = p[int(acc)]
+        assert row[int(tok)] > 0
+        if int(acc) < n and q is None:
+            assert int(tok) != int(follow[int(acc)])  # the rejected token has no residual mass
+
+
+def test_rejection_reference_distribution():
+    from kernels import verify_rejection_torch
+    from kernels.checks import Setup, rejection_distribution
+
+    rejection_distribution(verify_rejection_torch, Setup(), n=100_000)
+
+
+def test_chi_square_check_catches_a_wrong_sampler():
+    """The distribution check has teeth: ignoring the draft distributions biases the output."""
+    from kernels import verify_rejection_torch
+    from kernels.checks import Setup, rejection_distribution
+
+    def wrong(p, d, lens, au, su, q):
+        return verify_rejection_torch(p, d, lens, au, su, None if q is None else torch.full_like(q, 1 / q.shape[-1]))
+
+    with pytest.raises(AssertionError, match="differs from the target"):
+        rejection_distribution(wrong, Setup(), n=20_000)
+
+
+def test_compact_reference_equals_kvcache_compact():
+    from hvd_ray.model.transformer import KVCache, ModelConfig
+
+    from kernels import compact_kv, compact_kv_torch
+
+    cfg = ModelConfig(vocab_size=10, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=8, intermediate_size=8)
+    cache = KVCache(cfg, 3, 32, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    k, v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+    cache.lengths[1] = 20
+    cache.compact(1, 10, [0, 3, 4, 8])
+    compact_kv_torch(k, v, [1], [10], [[0, 3, 4, 8]])
+    assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, k + v))
+    assert cache.lengths[1] == 14
+    compact_kv(k, v, [2, 0], [0, 5], [[0, 1], [0, 2]])   # CPU: the reference; the no-op entry is skipped
+    assert torch.equal(k[0][0, :, 6], cache.k[0][0, :, 7])
+    with pytest.raises(ValueError, match="increasing"):
+        compact_kv(k, v, [0], [0], [[0, 2, 2]])
+    with pytest.raises(ValueError, match="outside"):
+        compact_kv(k, v, [0], [30], [[0, 5]])
+
+
+def test_package_name_shadows_nothing():
+    """Our top-level ``kernels`` must not pass for Hugging Face's ``kernels`` distribution."""
+    import importlib.util
+
+    from transformers.utils import import_utils
+
+    spec = importlib.util.find_spec("kernels")
+    assert spec is not None and Path(spec.origin).parent == ROOT / "kernels"
+    assert not import_utils.is_kernels_available()
+
+
+def test_check_gpu_without_cuda_exits_cleanly():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: run kernels/check_gpu.py itself")
+    proc = subprocess.run([sys.executable, str(ROOT / "kernels" / "check_gpu.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device" in proc.stdout
