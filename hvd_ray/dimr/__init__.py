@@ -4,6 +4,6 @@
 verifier consumes; cost.py, budget.py and search.py are the offline search (jobs/search_slim.py).
 """
 
-from .mask import MaskError, SlimMask, as_mask, load_mask, resolve_mask, save_mask
+from .mask import MaskError, SlimMask, as_mask, load_mask, resolve_mask, save_mask, shipped_mask
 
-__all__ = ["MaskError", "SlimMask", "as_mask", "load_mask", "resolve_mask", "save_mask"]
+__all__ = ["MaskError", "SlimMask", "as_mask", "load_mask", "resolve_mask", "save_mask", "shipped_mask"]

@@ -222,3 +222,8 @@ def as_mask(x: "SlimMask | Iterable[SubLayer] | str", n_layers: int) -> SlimMask
     if isinstance(x, str):
         return SlimMask.parse(x, n_layers)
     return SlimMask(n_layers, tuple(x))
+
+
+def shipped_mask(model: Any = None) -> SlimMask:
+    """The DIMR mask searched for the default model (``hvd_ray/assets/slim-smollm2``), checksum-pinned."""
+    return load_mask("slim-smollm2", model)
