@@ -34,6 +34,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--draft-model", default=None, help="folder of the draft model (--drafter draft-model)")
     g.add_argument("--eagle3-head", default=None, help="folder of an EAGLE-3 head (--drafter eagle3)")
     g.add_argument("--json", action="store_true", help="print the stats line as JSON")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many Ray rank actors (gloo on CPU, NCCL on GPU)")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -45,12 +47,18 @@ def generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    tp = args.tensor_parallel_size
     try:
-        model, tok = load(args.model, args.dtype, args.device)
+        if tp > 1:  # only the rank actors load (their shard of) the model
+            model, tok = _tp_model_info(args)
+        else:
+            model, tok = load(args.model, args.dtype, args.device)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop=args.stop)
         policy = None
-        if args.drafter == "hvd":
+        if tp > 1:
+            drafters = []  # built on every rank
+        elif args.drafter == "hvd":
             from .selection.hvd import build_hvd
 
             drafters, policy = build_hvd(model, tok, policy=args.policy, predictor=args.predictor,
@@ -68,10 +76,17 @@ def generate(args: argparse.Namespace) -> int:
         ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tok(args.prompt)["input_ids"]
-    engine = Engine(model, drafters=drafters, policy=policy, max_batch=1,
-                    max_len=min(model.cfg.max_position, len(ids) + args.max_tokens + args.num_draft_tokens + 64),
-                    num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
-                    detokenize=lambda t: tok.decode(t, skip_special_tokens=True))
+    max_len = min(model.cfg.max_position, len(ids) + args.max_tokens + args.num_draft_tokens + 64)
+    if tp > 1:
+        try:
+            engine = _tp_engine(args, max_len)
+        except (ModelError, ValueError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        engine = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=max_len,
+                        num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
+                        detokenize=lambda t: tok.decode(t, skip_special_tokens=True))
     try:
         req = engine.add_request(ids, params)
     except ValueError as e:
@@ -85,6 +100,8 @@ def generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     sys.stdout.write(streamer.flush() + "\n")
     elapsed = time.perf_counter() - t0
+    if tp > 1:
+        engine.shutdown()
     stats = req.stats.summary(len(req.output))
     stats.update(tok_per_s=len(req.output) / elapsed if elapsed else 0.0, elapsed_s=elapsed,
                  prompt_tokens=len(ids), finish_reason=req.finish_reason, drafter=args.drafter)
@@ -96,6 +113,46 @@ def generate(args: argparse.Namespace) -> int:
               f"target forwards per 1k tokens {stats['forwards_per_1k_tokens']:.0f}; "
               f"finish={req.finish_reason}", file=sys.stderr)
     return 0
+
+
+def _tp_model_info(args: argparse.Namespace):
+    """(an object with the model's ``cfg``, tokenizer) without loading the weights here."""
+    from types import SimpleNamespace
+
+    from .model import resolve
+    from .model.tp import check_tp_size
+    from .model.transformer import load_hf_config
+    from .serving.tensor_parallel import load_tokenizer
+
+    if args.drafter == "hvd":
+        raise ValueError("--tensor-parallel-size > 1 supports --drafter none | suffix | eagle3 | layerskip | "
+                         "draft-model (not hvd)")
+    if getattr(args, "slim", None):
+        raise ValueError("--slim is not supported with --tensor-parallel-size > 1")
+    folder = resolve(args.model)
+    cfg = load_hf_config(folder)
+    check_tp_size(cfg, args.tensor_parallel_size)  # before Ray starts
+    tok = load_tokenizer(folder)
+    if tok is None:
+        raise ValueError(f"{folder} has no tokenizer")
+    return SimpleNamespace(cfg=cfg), tok
+
+
+def _tp_engine(args: argparse.Namespace, max_len: int):
+    """A TensorParallelEngine over a local Ray (started here unless one is already running)."""
+    import ray
+
+    from .serving.tensor_parallel import TensorParallelEngine, TPEngineSpec
+
+    threads = args.threads or 1
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=max(args.tensor_parallel_size * threads, os.cpu_count() or 1),
+                 include_dashboard=False, log_to_driver=False)
+    spec = TPEngineSpec(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
+                        draft_model=args.draft_model, eagle3_head=args.eagle3_head, max_batch=1, max_len=max_len,
+                        num_draft_tokens=args.num_draft_tokens, torch_threads=threads)
+    return TensorParallelEngine(spec, args.tensor_parallel_size, rank_options={"num_cpus": threads})
 
 
 def main(argv: list[str] | None = None) -> int:
