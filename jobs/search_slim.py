@@ -76,7 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per trial actor and in the driver")
     ap.add_argument("--startup", type=int, default=16,
                     help="start-up trials before TPE (warm-start points count; the rest are random)")
-    ap.add_argument("--random-every", type=int, default=4, help="after start-up, every k-th trial is random")
+    ap.add_argument("--random-every", type=int, default=2, help="after start-up, every k-th trial is random")
+    ap.add_argument("--local-sigma", type=float, default=0.05,
+                    help="interleaved random trials perturb the incumbent's scores by N(0, σ²) (0 = uniform)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-prior", action="store_true", help="do not warm-start with the layer-skip heuristic")
     ap.add_argument("--no-screen", action="store_true",
@@ -161,7 +163,8 @@ def main(argv=None) -> None:
             seeds = screen_seeds({k: m[a.objective] for k, m in screen.items()}, costs, a.seeds, a.seed)
         res = run_search(problem, trials=a.trials, minutes=max(a.minutes - screen_s / 60, 0.5), parallel=a.parallel,
                          startup=a.startup, random_every=a.random_every, seed=a.seed, storage=str(CACHE / "tune"),
-                         verbose=0, progress=log, prior=not a.no_prior, seeds=seeds)
+                         verbose=0, progress=log, prior=not a.no_prior, seeds=seeds,
+                         local_sigma=a.local_sigma)
     finally:
         ray.shutdown()
     dimr_s = screen_s + res.wall_s
@@ -222,7 +225,7 @@ def main(argv=None) -> None:
         "costs": costs.to_json(), "threads": a.threads, "parallel": a.parallel,
         "dimr": {"trials": len(res.trials), "screen_trials": len(screen), "screen_s": screen_s,
                  "search_s": dimr_s, "warm_start_points": len(seeds) + (not a.no_prior), "startup": a.startup,
-                 "random_every": a.random_every, "best_trial": res.metrics},
+                 "random_every": a.random_every, "local_sigma": a.local_sigma, "best_trial": res.metrics},
         "greedy": greedy_info, "random": {"n": len(rand_masks), "heldout_kl": [m["kl"] for m in rand_held]},
         "masks": {k: {"spec": m.spec(), "n_attn": sum(s == "attn" for _, s in m.skip),
                       "n_mlp": sum(s == "mlp" for _, s in m.skip), "kept": costs.kept_fraction(m),
@@ -262,7 +265,9 @@ def render_md(r: dict) -> str:
     lines += ["", f"DIMR search time {d['search_s']:.0f} s wall (incl. Ray actor start-up and the per-actor "
               f"calibration precompute): sensitivity screen {d['screen_trials']} trials in {d['screen_s']:.0f} s, "
               f"then {d['trials']} TPE/random trials ({d['warm_start_points']} warm-start points, "
-              f"{d['startup']} start-up trials, every {d['random_every']}th later trial random)."]
+              f"{d['startup']} start-up trials, every {d['random_every']}th later trial random"
+              + (f": a local move, incumbent scores + N(0, {d['local_sigma']}²)" if d.get("local_sigma") else "")
+              + ")."]
     if r["greedy"]:
         g = r["greedy"]
         lines.append(f"Greedy: {g['evals']} evaluations in {g['wall_s']:.0f} s"

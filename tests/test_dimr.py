@@ -12,8 +12,8 @@ import torch
 from hvd_ray.dimr import MaskError, SlimMask, load_mask, save_mask
 from hvd_ray.dimr.budget import SubLayerCosts, measure_costs, measure_mask
 from hvd_ray.dimr.cost import coarse_logprobs, kl, r_cost
-from hvd_ray.dimr.search import (CalibSeq, SearchProblem, SlimEvaluator, decode, greedy_search, place_windows,
-                                 random_scores, run_search)
+from hvd_ray.dimr.search import (CalibSeq, SearchProblem, SlimEvaluator, decode, greedy_search, param_name,
+                                 parse_param, place_windows, random_scores, run_search, screen_seeds)
 from hvd_ray.model import Transformer
 
 
@@ -115,6 +115,17 @@ def test_layer0_never_skipped_and_bad_input():
         decode(random_scores(30, rng), costs, 0.01)
 
 
+def test_screen_seeds_rank_by_sensitivity():
+    costs = SubLayerCosts.uniform(6)
+    cands = SlimMask.candidates(6)
+    assert [parse_param(param_name(c)) for c in cands] == cands
+    sens = {param_name(c): float(i) for i, c in enumerate(cands)}  # later sub-layers matter more
+    seeds = screen_seeds(sens, costs, 5, seed=1)
+    assert len(seeds) == 5 and all(set(s) == set(sens) and all(0 <= v <= 1 for v in s.values()) for s in seeds)
+    # budget 0.5 of 12 equal sub-layers: layer 0 + the 4 most sensitive are kept, the 6 least skipped
+    assert decode(seeds[0], costs, 0.5).skip == tuple(sorted(cands[:6]))
+
+
 # ---------------------------------------------------------------------------------- model
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
@@ -174,7 +185,9 @@ def test_tiny_tune_search(tiny_llama, tmp_path):
                             width=8, topk=16)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        res = run_search(problem, trials=8, parallel=2, startup=4, random_every=2, storage=str(tmp_path), verbose=0)
+        seeds = screen_seeds({param_name(c): float(c[0]) for c in SlimMask.candidates(4)}, problem.costs, 2)
+        res = run_search(problem, trials=8, parallel=2, startup=4, random_every=2, storage=str(tmp_path), verbose=0,
+                         seeds=seeds, local_sigma=0.05)
     finally:
         ray.shutdown()
     assert len(res.trials) == 8
