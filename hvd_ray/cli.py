@@ -33,6 +33,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--model-drafter", default="layerskip", help="with --drafter hvd: layerskip | eagle3 | draft-model")
     g.add_argument("--draft-model", default=None, help="folder of the draft model (--drafter draft-model)")
     g.add_argument("--eagle3-head", default=None, help="folder of an EAGLE-3 head (--drafter eagle3)")
+    g.add_argument("--slim", default=None, metavar="MASK",
+                   help="VIA-SD slim-verifier tier: 'default', a skip spec (attn:10-17,mlp:20) or a DIMR mask artifact")
+    g.add_argument("--slim-mode", default="lossless", choices=["lossless", "tiered"],
+                   help="with --slim: lossless (q verifies everything) or tiered (lossy, q' settles confident tokens)")
     g.add_argument("--json", action="store_true", help="print the stats line as JSON")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many Ray rank actors (gloo on CPU, NCCL on GPU)")
@@ -66,6 +70,11 @@ def generate(args: argparse.Namespace) -> int:
         else:
             drafter = make_drafter(args.drafter, model, draft_model=args.draft_model, eagle3_head=args.eagle3_head)
             drafters = [drafter] if drafter else []
+        slim = None
+        if args.slim:
+            from .verification.tiered import SlimTier, resolve_mask
+
+            slim = SlimTier(resolve_mask(args.slim, model.cfg.n_layers), args.slim_mode)
     except (ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -86,7 +95,7 @@ def generate(args: argparse.Namespace) -> int:
     else:
         engine = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=max_len,
                         num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
-                        detokenize=lambda t: tok.decode(t, skip_special_tokens=True))
+                        detokenize=lambda t: tok.decode(t, skip_special_tokens=True), slim=slim)
     try:
         req = engine.add_request(ids, params)
     except ValueError as e:
@@ -104,7 +113,8 @@ def generate(args: argparse.Namespace) -> int:
         engine.shutdown()
     stats = req.stats.summary(len(req.output))
     stats.update(tok_per_s=len(req.output) / elapsed if elapsed else 0.0, elapsed_s=elapsed,
-                 prompt_tokens=len(ids), finish_reason=req.finish_reason, drafter=args.drafter)
+                 prompt_tokens=len(ids), finish_reason=req.finish_reason, drafter=args.drafter,
+                 slim_mode=args.slim_mode if args.slim else None)
     if args.json:
         print(json.dumps(stats), file=sys.stderr)
     else:

@@ -20,6 +20,7 @@ from ..drafters.base import Draft, Drafter, DraftRequest
 from ..model.transformer import Transformer
 from ..verification import greedy_walk, rejection_sample_tree, target_probs, tree_attention_mask
 from ..verification.sampling import sample
+from ..verification.tiered import SlimStep, SlimTier
 from ..verification.tree import tree_depths
 from .request import Request, SamplingParams, StepRecord
 
@@ -69,6 +70,7 @@ class Engine:
         num_draft_tokens: int = 8,
         eos_token_ids: Iterable[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
+        slim: SlimTier | None = None,
     ):
         self.model = model
         self.drafters = list(drafters)
@@ -76,6 +78,8 @@ class Engine:
         self.num_draft_tokens = num_draft_tokens
         self.eos = set(eos_token_ids) | set(model.cfg.eos_token_ids)
         self.detokenize = detokenize
+        self.slim = slim  # VIA-SD slim-verifier tier (verification/tiered.py); None = two tiers
+        self._slim_step = SlimStep(model, slim) if slim is not None else None
         if model.cache is None or model.cache.slots < max_batch or model.cache.max_len < max_len:
             model.setup_cache(max_batch, max_len)
         self.max_len = model.cache.max_len
@@ -184,6 +188,9 @@ class Engine:
         without a ready draft are drafted in one ``propose`` call per source, so model drafters batch.
         """
         default = self.drafters[0] if self.drafters else None
+        for d in self.drafters:  # remote drafters fetch the whole batch's drafts in one call
+            if hasattr(d, "prepare"):
+                d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r)) for r in reqs])
         choices = [as_choice(self.policy(r, self) if self.policy else default) for r in reqs]
         drafts: list[Draft] = [Draft() for _ in reqs]
         for src in {id(c.drafter): c.drafter for c in choices if c.drafter is not None}.values():
@@ -199,6 +206,8 @@ class Engine:
         return drafts, [c.predicted for c in choices]
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
+        if self._slim_step is not None:
+            return self._slim_step.decode(self, reqs)
         t0 = time.perf_counter()
         drafts, predicted = self._drafts(reqs)
         t1 = time.perf_counter()

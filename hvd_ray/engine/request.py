@@ -45,13 +45,20 @@ class StepRecord:
     draft_s: float
     verify_s: float
     predicted: float | None = None  # the yield predictor's estimate, when a policy used one
+    # slim tier (VIA-SD, verification/tiered.py): draft tokens q' accepted, tokens q' supplied
+    # (repair / regeneration / bonus), draft tokens escalated to q; whether q ran this step
+    slim_accepted: int = 0
+    slim_regenerated: int = 0
+    slim_escalated: int = 0
+    full_forward: bool = True
 
 
 @dataclass
 class RequestStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    target_forwards: int = 0  # prefill included
+    target_forwards: int = 0  # full-target forwards, prefill included
+    slim_forwards: int = 0  # slim-verifier (q') forwards of the VIA-SD tier
     steps: list[StepRecord] = field(default_factory=list)
 
     def summary(self, generated: int) -> dict:
@@ -68,6 +75,10 @@ class RequestStats:
             "verify_s": sum(s.verify_s for s in self.steps),
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
+            "slim_forwards": self.slim_forwards,
+            "slim_accepted": sum(s.slim_accepted for s in self.steps),
+            "slim_regenerated": sum(s.slim_regenerated for s in self.steps),
+            "slim_escalated": sum(s.slim_escalated for s in self.steps),
         }
 
 
@@ -79,6 +90,7 @@ class Request:
     slot: int = -1
     output: list[int] = field(default_factory=list)
     pending: int | None = None  # last emitted token, not yet in the target's KV cache
+    full_len: int | None = None  # slim tier: cache length up to which every layer is exact
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)

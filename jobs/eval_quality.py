@@ -1,0 +1,389 @@
+"""VIA-SD evaluation: speed and quality of the slim-verifier tier next to greedy and two-tier spec.
+
+Speed (batch 1, interleaved per prompt, held-out prompts of several workloads): greedy, two-tier
+speculative decoding with drafter D, D + lossless slim tier, D + tiered slim tier. Reports MAT,
+rejection rate, full-target forwards per 1,000 tokens, slim forwards, tok/s ratios vs greedy and
+vs two-tier, agreement with greedy.
+
+Quality (batch 8): greedy vs tiered (lossless is greedy by construction; tests/test_tiered.py
+checks it token for token in fp32) on
+
+* HumanEval pass@1: the completion's ```python block (prefixed with the prompt when it lacks the
+  function, and with the prompt's imports) + the problem's tests run in a subprocess: a fresh temp
+  dir, ``python -I``, a timeout, address-space / CPU limits, and no network (``unshare -rn``, a
+  new user + network namespace with only a downed loopback, when the kernel allows it);
+* BFCL exact match: the ``<tool_call>`` JSON list parsed and compared with the packaged
+  ``possible_answer`` ground truth (same number of calls, matched in any order; same function
+  names; every given argument is a known parameter whose value is one of the accepted values;
+  a missing argument is allowed only when ``""`` is among its accepted values, i.e. optional).
+  Strings are compared case-insensitively after trimming; ints equal floats of the same value.
+  This is our compact re-implementation of BFCL's AST check, not the bfcl-eval checker itself.
+
+    python jobs/eval_quality.py --drafters suffix eagle3 --out benchmarks/via_sd.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "jobs"))
+
+import torch  # noqa: E402
+
+from hvd_ray.drafters import make_drafter  # noqa: E402
+from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
+from hvd_ray.model import load  # noqa: E402
+from hvd_ray.verification.tiered import SlimTier, TierThresholds, describe_mask, resolve_mask  # noqa: E402
+from hvd_ray.workloads import load_workload, render  # noqa: E402
+
+BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
+
+
+# ------------------------------------------------------------------------------------- HumanEval
+def extract_code(completion: str, prompt: str, entry_point: str) -> str:
+    """The program to test: the completion's first python block (or the whole text), with the
+    prompt's imports, and the prompt itself in front when the block lacks the function."""
+    m = re.search(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", completion, re.S)
+    code = m.group(1) if m else completion
+    if not re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.M):
+        code = prompt + code
+    imports = [ln for ln in prompt.splitlines() if ln.startswith(("import ", "from "))]
+    return "\n".join(imports) + "\n" + code
+
+
+def _limits() -> None:  # runs in the child before exec
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    resource.setrlimit(resource.RLIMIT_CPU, (10, 10))
+
+
+def run_tests(program: str, timeout: float = 10.0) -> bool:
+    """True when ``program`` exits 0 in an isolated subprocess (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "prog.py"
+        path.write_text(program)
+        cmd = [sys.executable, "-I", str(path)]
+        if NO_NET:
+            cmd = ["unshare", "-rn"] + cmd
+        try:
+            r = subprocess.run(cmd, cwd=d, capture_output=True, timeout=timeout, preexec_fn=_limits,
+                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        except subprocess.TimeoutExpired:
+            return False
+        return r.returncode == 0
+
+
+def _no_net_available() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0
+
+
+NO_NET = _no_net_available()
+
+
+# ------------------------------------------------------------------------------------------ BFCL
+def parse_tool_calls(text: str) -> list[dict] | None:
+    """``[{"name": ..., "arguments": {...}}, ...]`` from the model's ``<tool_call>`` output, or None."""
+    m = re.search(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S)
+    body = (m.group(1) if m else text).strip()
+    candidates = [body]
+    if "[" in body and "]" in body:
+        candidates.append(body[body.index("["): body.rindex("]") + 1])
+    if "{" in body and "}" in body:
+        candidates.append("[" + body[body.index("{"): body.rindex("}") + 1] + "]")
+    for c in candidates:
+        try:
+            calls = json.loads(c)
+        except json.JSONDecodeError:
+            continue
+        calls = [calls] if isinstance(calls, dict) else calls
+        if not isinstance(calls, list):
+            continue
+        out = []
+        for call in calls:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            args = call.get("arguments", call.get("parameters", {}))
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    return None
+            if not isinstance(args, dict):
+                return None
+            out.append({"name": call["name"], "arguments": args})
+        return out
+    return None
+
+
+def _same(v, a) -> bool:
+    if isinstance(a, bool) or isinstance(v, bool):
+        return v is a if isinstance(a, bool) and isinstance(v, bool) else False
+    if isinstance(a, (int, float)) and isinstance(v, (int, float)):
+        return float(v) == float(a)
+    if isinstance(a, str) and isinstance(v, str):
+        return v.strip().lower() == a.strip().lower()
+    if isinstance(a, list) and isinstance(v, (list, tuple)):
+        return len(a) == len(v) and all(_same(x, y) for x, y in zip(v, a))
+    if isinstance(a, dict) and isinstance(v, dict):  # nested: values are lists of accepted values
+        return _args_ok(v, a)
+    return False
+
+
+def _accepted(v, accepted) -> bool:
+    return any(_same(v, a) for a in (accepted if isinstance(accepted, list) else [accepted]))
+
+
+def _args_ok(args: dict, truth: dict) -> bool:
+    if set(args) - set(truth):
+        return False
+    for name, accepted in truth.items():
+        if name in args:
+            if not _accepted(args[name], accepted):
+                return False
+        elif not (isinstance(accepted, list) and "" in accepted):
+            return False
+    return True
+
+
+def bfcl_match(calls: list[dict] | None, truth: list[dict]) -> bool:
+    """Exact match of parsed calls against BFCL ground truth ``[{func: {param: [accepted...]}}]``."""
+    if calls is None or len(calls) != len(truth):
+        return False
+    left = list(calls)
+    for gt in truth:
+        (fname, params), = gt.items()
+        hit = next((c for c in left if c["name"] == fname and _args_ok(c["arguments"], params)), None)
+        if hit is None:
+            return False
+        left.remove(hit)
+    return True
+
+
+# --------------------------------------------------------------------------------------- methods
+def slim_tier(mode: str, args) -> SlimTier:
+    """``lossless`` | ``tiered`` (the gates given) | ``tiered-strict`` (q' accepts only its own argmax)."""
+    if mode == "tiered-strict":
+        th = TierThresholds(accept=1.0, escalate=args.escalate, early_accept=1.0, own=args.own)
+        mode = "tiered"
+    else:
+        th = TierThresholds(accept=args.accept, escalate=args.escalate, own=args.own)
+    return SlimTier(args.mask, mode, th, max_lag=args.max_lag)
+
+
+def make_engine(method: str, model, tok, args, max_batch: int, max_len: int) -> Engine:
+    """``greedy`` | ``D`` | ``D+lossless`` | ``D+tiered`` for a drafter name D."""
+    drafter_name, _, mode = method.partition("+")
+    drafters = [] if drafter_name == "greedy" else [
+        make_drafter(drafter_name, model, slots=max_batch, max_len=max_len)]
+    return Engine(model, drafters=drafters, max_batch=max_batch, max_len=max_len,
+                  num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
+                  slim=slim_tier(mode, args) if mode else None)
+
+
+def prefix_agreement(out: list[int], ref: list[int]) -> float:
+    n = 0
+    while n < min(len(out), len(ref)) and out[n] == ref[n]:
+        n += 1
+    return n / max(len(ref), 1)
+
+
+# ----------------------------------------------------------------------------------------- speed
+def bench_speed(model, tok, args) -> tuple[list[str], dict]:
+    from benchmark import prompt_ids
+
+    prompts = prompt_ids(tok, args.workloads, args.per_workload, args.max_prompt_tokens)
+    max_len = args.max_prompt_tokens + args.max_tokens + args.num_draft_tokens + 64
+    methods = ["greedy"] + [f"{d}{m}" for d in args.drafters
+                            for m in ("", "+lossless", "+tiered") + (("+tiered-strict",) if args.strict else ())]
+    engines = {m: make_engine(m, model, tok, args, 1, max_len) for m in methods}
+    params = SamplingParams(max_tokens=args.max_tokens)
+    engines["greedy"].generate([prompts[0][2]], params)  # warm-up
+    acc = {m: dict(tokens=0, time=0.0, full=0, slim=0, steps=0, dec=0, drafted=0, accepted=0, s_acc=0, s_regen=0,
+                   s_esc=0, identical=0, prefix=0.0, n=0) for m in methods}
+    for i, (w, pid, ids) in enumerate(prompts):
+        ref = None
+        for m in methods:
+            t0 = time.perf_counter()
+            req = engines[m].generate([ids], params)[0]
+            dt = time.perf_counter() - t0
+            ref = req.output if m == "greedy" else ref
+            a, st = acc[m], req.stats
+            a["tokens"] += len(req.output)
+            a["time"] += dt
+            a["full"] += st.target_forwards
+            a["slim"] += st.slim_forwards
+            a["steps"] += len(st.steps)
+            a["dec"] += sum(s.accepted + 1 for s in st.steps)
+            a["drafted"] += sum(s.drafted for s in st.steps)
+            a["accepted"] += sum(s.accepted for s in st.steps)
+            a["s_acc"] += sum(s.slim_accepted for s in st.steps)
+            a["s_regen"] += sum(s.slim_regenerated for s in st.steps)
+            a["s_esc"] += sum(s.slim_escalated for s in st.steps)
+            a["identical"] += req.output == ref
+            a["prefix"] += prefix_agreement(req.output, ref)
+            a["n"] += 1
+        print(f"[speed {i + 1}/{len(prompts)}] {pid}", file=sys.stderr, flush=True)
+    g_tps = acc["greedy"]["tokens"] / acc["greedy"]["time"]
+    lines = ["| method | MAT | rejection | full fwd/1k | slim fwd/1k | slim acc / regen / esc | tok/s | vs greedy "
+             "| vs two-tier | identical to greedy | prefix agreement |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for m in methods:
+        a = acc[m]
+        tps = a["tokens"] / a["time"]
+        two = acc[m.partition("+")[0]]
+        two_tps = two["tokens"] / two["time"]
+        rej = 1 - a["accepted"] / a["drafted"] if a["drafted"] else float("nan")
+        lines.append(
+            f"| {m} | {a['dec'] / max(a['steps'], 1):.2f} | {rej:.0%} | {1000 * a['full'] / a['tokens']:.0f} | "
+            f"{1000 * a['slim'] / a['tokens']:.0f} | {a['s_acc']} / {a['s_regen']} / {a['s_esc']} | {tps:.1f} | "
+            f"{tps / g_tps:.2f}x | {tps / two_tps:.2f}x | {a['identical']}/{a['n']} | {a['prefix'] / a['n']:.0%} |")
+    return lines, acc
+
+
+# --------------------------------------------------------------------------------------- quality
+def quality_prompts(tok, args):
+    he = load_workload("code")[: args.humaneval] if args.humaneval else []
+    bf = load_workload("function_calling", categories=BFCL_CATEGORIES)[: args.bfcl] if args.bfcl else []
+    bf = [p for p in bf if p.meta.get("ground_truth")]
+    return he, bf
+
+
+def bench_quality(model, tok, args) -> tuple[list[str], dict]:
+    he, bf = quality_prompts(tok, args)
+    items = [(p, SamplingParams(max_tokens=args.humaneval_tokens)) for p in he] + \
+            [(p, SamplingParams(max_tokens=args.bfcl_tokens)) for p in bf]
+    ids = [tok(render(p, tok), add_special_tokens=False)["input_ids"] for p, _ in items]
+    max_len = max(map(len, ids)) + max(args.humaneval_tokens, args.bfcl_tokens) + args.num_draft_tokens + 64
+    methods = ["greedy"] + [f"{d}+{m}" for d in args.drafters
+                            for m in ("tiered",) + (("tiered-strict",) if args.strict else ())]
+    results: dict[str, dict] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for m in methods:
+        eng = make_engine(m, model, tok, args, args.batch, max_len)
+        t0 = time.perf_counter()
+        reqs = eng.generate(ids, [sp for _, sp in items])
+        dt = time.perf_counter() - t0
+        outputs[m] = [r.output for r in reqs]
+        texts = [tok.decode(r.output, skip_special_tokens=True) for r in reqs]
+        he_pass = [run_tests(extract_code(t, p.raw, p.meta["entry_point"]) + "\n\n" + p.meta["test"]
+                             + f"\n\ncheck({p.meta['entry_point']})\n")
+                   for (p, _), t in zip(items[: len(he)], texts[: len(he)])]
+        bf_ok = [bfcl_match(parse_tool_calls(t), p.meta["ground_truth"])
+                 for (p, _), t in zip(items[len(he):], texts[len(he):])]
+        full = sum(r.stats.target_forwards for r in reqs)
+        toks = sum(len(r.output) for r in reqs)
+        results[m] = dict(humaneval=sum(he_pass) / max(len(he_pass), 1), he_pass=sum(he_pass),
+                          bfcl=sum(bf_ok) / max(len(bf_ok), 1), bf_ok=sum(bf_ok), time=dt, tokens=toks,
+                          full_per_1k=1000 * full / max(toks, 1))
+        print(f"[quality] {m}: {results[m]}", file=sys.stderr, flush=True)
+    g = outputs["greedy"]
+    lines = [f"| method | HumanEval pass@1 (n={len(he)}) | Δ vs greedy | BFCL exact match (n={len(bf)}) | "
+             "Δ vs greedy | outputs identical to greedy | prefix agreement | full fwd/1k |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for m in methods:
+        r, out = results[m], outputs[m]
+        same = sum(a == b for a, b in zip(out, g))
+        pre = sum(prefix_agreement(a, b) for a, b in zip(out, g)) / len(g)
+        lines.append(f"| {m} | {100 * r['humaneval']:.1f}% ({r['he_pass']}) | "
+                     f"{100 * (r['humaneval'] - results['greedy']['humaneval']):+.1f} pt | "
+                     f"{100 * r['bfcl']:.1f}% ({r['bf_ok']}) | {100 * (r['bfcl'] - results['greedy']['bfcl']):+.1f} pt | "
+                     f"{same}/{len(g)} | {pre:.0%} | {r['full_per_1k']:.0f} |")
+    return lines, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafters", nargs="+", default=["suffix", "eagle3"])
+    ap.add_argument("--mask", default="default", help="slim mask: 'default', a skip spec or a DIMR artifact")
+    ap.add_argument("--accept", type=float, default=0.6)
+    ap.add_argument("--escalate", type=float, default=0.3)
+    ap.add_argument("--own", type=float, default=0.5)
+    ap.add_argument("--max-lag", type=int, default=32)
+    ap.add_argument("--strict", action="store_true", help="also run tiered-strict (q' accepts only its argmax)")
+    ap.add_argument("--workloads", nargs="+", default=["function_calling", "code", "chat"])
+    ap.add_argument("--per-workload", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--num-draft-tokens", type=int, default=16)
+    ap.add_argument("--humaneval", type=int, default=40, help="first N HumanEval problems (0 = skip)")
+    ap.add_argument("--bfcl", type=int, default=40, help="first N BFCL prompts with ground truth (0 = skip)")
+    ap.add_argument("--humaneval-tokens", type=int, default=320)
+    ap.add_argument("--bfcl-tokens", type=int, default=160)
+    ap.add_argument("--batch", type=int, default=8, help="batch size of the quality runs")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write the markdown here (default: stdout)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from benchmark import machine_line
+
+    model, tok = load("default", "bfloat16")
+    mask = resolve_mask(args.mask, model.cfg.n_layers)
+    t0 = time.time()
+    speed, s_raw = ([], {}) if args.skip_speed else bench_speed(model, tok, args)
+    quality, q_raw = bench_quality(model, tok, args) if (args.humaneval or args.bfcl) else ([], {})
+    lines = [
+        "# VIA-SD: three-tier verification (drafter → slim verifier q' → target q)",
+        "",
+        f"Command: `{' '.join(['python', 'jobs/eval_quality.py'] + sys.argv[1:])}`  ",
+        f"Machine: {machine_line()}; load average at start {os.getloadavg()[0]:.1f}; wall {time.time() - t0:.0f} s  ",
+        f"Model: SmolLM2-135M-Instruct, bf16, greedy. Slim mask `{args.mask}` "
+        f"({describe_mask(args.mask, model.cfg.n_layers)}) = skip {len(mask)} sub-layers "
+        f"{mask}. Gates: accept ratio >= {args.accept}, escalate < {args.escalate} (from output token 16; "
+        f"stricter 0.9 / 0.6 before, linearly), q' own-token top-prob >= {args.own}, max lag {args.max_lag}; "
+        f"draft budget {args.num_draft_tokens}. `+tiered-strict`: the slim tier accepts only its own argmax "
+        "(accept gate 1.0), other gates the same.",
+        "",
+    ]
+    if speed:
+        lines += [
+            f"## Speed (batch 1, {args.per_workload} held-out prompts per workload {args.workloads}, up to "
+            f"{args.max_tokens} new tokens, methods interleaved per prompt)",
+            "",
+            "MAT = tokens emitted per decode step; rejection = 1 − accepted / drafted over the drafts each step "
+            "finally judged (lossless and escalated steps: the q'-repaired draft q verified; slim-settled steps: "
+            "the drafter's draft); full fwd/1k = full-target forwards (prefill included) per 1,000 tokens; "
+            "slim acc / regen / esc = draft tokens q' accepted / tokens q' supplied (repair, regeneration, bonus) "
+            "/ draft tokens escalated to q; vs two-tier = tok/s over the same drafter without the slim tier; "
+            "identical / prefix agreement = against greedy's output in this run (bf16: batch-shape rounding "
+            "may flip near-ties even for lossless methods).",
+            "",
+        ] + speed + [""]
+    if quality:
+        lines += [
+            f"## Task quality (batch {args.batch}; HumanEval: first {args.humaneval} problems, up to "
+            f"{args.humaneval_tokens} tokens; BFCL: first {args.bfcl} prompts of {list(BFCL_CATEGORIES)} "
+            f"interleaved, up to {args.bfcl_tokens} tokens)",
+            "",
+            "Lossless modes equal greedy by construction (q verifies every token; token-identical in fp32, "
+            "tests/test_tiered.py), so only tiered modes are scored separately. HumanEval tests ran "
+            + ("without network (unshare -rn)" if NO_NET else "WITH network access (unshare unavailable)")
+            + ", python -I, 10 s timeout, 2 GiB address space.",
+            "",
+        ] + quality + [""]
+    text = "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(
+        {"speed": s_raw, "quality": q_raw}, indent=1) + "\n```\n</details>\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
