@@ -334,3 +334,27 @@ def test_a_briefly_trained_head_is_aligned_with_the_target(target):
     off_by_one = mean_accepted(target, trained_head(target, shift=1), prompts)
     print(f"mean accepted per step: aligned {aligned:.2f}, off by one {off_by_one:.2f}")
     assert aligned > 0.3 and aligned > 3 * off_by_one, (aligned, off_by_one)
+
+
+def test_chain_stops_when_the_head_loses_confidence(target):
+    """``min_prob`` cuts the chain where the head's path probability first drops below it: the
+    draft is the longest prefix of the unbounded chain whose running product stays >= min_prob."""
+    head = Eagle3Head.from_target(target, draft_vocab_size=64, seed=7)
+    full = Eagle3Drafter(target, head, depth=6)
+    toks = prefill(target, full, "a", prompt_ids(16, 9), 0)
+    d_full = full.propose([ask("a", 0, toks)])[0]
+    full.end("a")
+    running = []
+    for p in d_full.probs:
+        running.append(p * (running[-1] if running else 1.0))
+    for min_prob in (0.0, running[1] * 0.999, running[2] * 1.001, 0.999):
+        cut = Eagle3Drafter(target, head, depth=6, min_prob=min_prob)
+        target.cache.truncate(0, 0)
+        toks = prefill(target, cut, "a", prompt_ids(16, 9), 0)
+        d = cut.propose([ask("a", 0, toks)])[0]
+        cut.end("a")
+        n = sum(1 for r in running if r >= min_prob)
+        assert d.token_ids == d_full.token_ids[:n]
+        assert d.probs == pytest.approx(d_full.probs[:n], abs=1e-6)
+    with pytest.raises(ValueError):
+        Eagle3Drafter(target, head, min_prob=1.0)

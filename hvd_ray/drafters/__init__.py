@@ -5,6 +5,8 @@ from __future__ import annotations
 from .base import Draft, Drafter, DraftRequest
 
 DRAFTERS = ("none", "suffix", "eagle3", "layerskip", "draft-model")
+# An EAGLE-3 chain stops once the head's path probability drops below this (benchmarks/spec.md).
+EAGLE3_MIN_PROB = 0.2
 
 
 def make_drafter(name: str, model, *, draft_model: str | None = None, eagle3_head: str | None = None,
@@ -30,7 +32,8 @@ def make_drafter(name: str, model, *, draft_model: str | None = None, eagle3_hea
         from .eagle3 import Eagle3Drafter, Eagle3Head, shipped_head
 
         head = Eagle3Head.load(eagle3_head, model) if eagle3_head else shipped_head(model)
-        return Eagle3Drafter(model, head, tree=tree, slots=slots, max_len=max_len)
+        return Eagle3Drafter(model, head, tree=tree, slots=slots, max_len=max_len,
+                             min_prob=0.0 if tree else EAGLE3_MIN_PROB)
     raise ValueError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
 
 

@@ -547,7 +547,10 @@ class _ReqState:
 class Eagle3Drafter:
     """EAGLE-3 drafting (chain or dynamic tree) behind the ``Drafter`` protocol.
 
-    Chain: greedy top-1 of the head, ``min(depth, max_tokens)`` tokens (``depth`` default 5).
+    Chain: greedy top-1 of the head, up to ``min(depth, max_tokens)`` tokens (``depth`` default 5),
+    stopping early once the head's own path probability (the product of its top-1 probabilities)
+    falls below ``min_prob`` (EAGLE-2's observation: the head's confidence tracks acceptance, so a
+    low-confidence tail costs head forwards and verify width for tokens the target rejects).
     Tree (EAGLE-2 style dynamic tree): the root's top-k children form level 1; at each level the
     current frontier (k nodes) runs through the head in one forward with a tree attention mask, each
     frontier node gets its top-k children, and the k best children by cumulative log prob become the
@@ -571,10 +574,14 @@ class Eagle3Drafter:
         top_k: int = 4,
         depth: int | None = None,
         max_nodes: int = 32,
+        min_prob: float = 0.0,
         slots: int | None = None,
         max_len: int | None = None,
     ):
+        if not 0.0 <= min_prob < 1.0:
+            raise ValueError(f"min_prob must be in [0, 1), got {min_prob}")
         self.target, self.head = target, head
+        self.min_prob = min_prob
         self.tree = tree
         self.top_k = max(1, min(top_k, head.cfg.draft_vocab_size))
         self.depth = depth if depth is not None else (8 if tree else 5)
@@ -721,9 +728,17 @@ class Eagle3Drafter:
         hidden = torch.stack([st.hidden for _, st, _, _ in live])
         lp, tok = logp.max(dim=-1)  # [B]
         toks, lps = [tok], [lp]
+        floor = math.log(self.min_prob) if self.min_prob > 0 else None
+        cum = lp.clone()
         rows = list(range(len(live)))
-        for s in range(1, max(want)):
+        for s in range(1, max(want) + 1):
+            if floor is not None:  # token s-1 is kept only while the path stays above the floor
+                for b, ok in enumerate((cum >= floor).tolist()):
+                    if not ok and want[b] > s - 1:
+                        want[b] = s - 1
             rows = [b for b in rows if want[b] > s]
+            if not rows:
+                break
             sel = torch.tensor(rows, device=head.device)
             prenorm, logits = head(
                 head.to_target_ids(toks[-1][sel])[:, None], hidden[sel][:, None],
@@ -735,6 +750,7 @@ class Eagle3Drafter:
             nt[sel], nl[sel] = step_tok, step_lp
             toks.append(nt)
             lps.append(nl)
+            cum = cum + nl
         tok_t = head.to_target_ids(torch.stack(toks, 1)).tolist()  # [B, steps]
         lp_t = torch.stack(lps, 1).tolist()
         out = []

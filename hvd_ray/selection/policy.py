@@ -175,18 +175,30 @@ class CostPolicy(Policy):
     model: ``(min(m, k) + 1) / (verify_cost(1 + k) + k * model_token_cost)`` with ``k`` the model
     draft's nominal length and ``m`` its mean accepted length (``model_accept``; default: the
     predictor artifact's training-set mean of ``y_model``, else 1.0); none: ``1 / verify_cost(1)``.
+
+    Online the model side calibrates itself from the engine's step records (``adapt`` = weight of
+    each new measurement in an exponential average; 0 keeps the priors, as offline simulation does):
+    the model drafts' mean accepted length, their actual length (drafters may stop early) and their
+    drafting time in units of a one-token target forward (timed from the verify forwards). The
+    priors only matter until the first model steps; an optimistic prior makes the policy try the
+    model drafter and learn what it is worth here, on this hardware.
     """
 
     name = "cost"
 
     def __init__(self, predictor: "YieldPredictor", cache=None, model=None, flags=None, *,
                  cost_table: dict[int, float] = VERIFY_COST, model_token_cost: float = LAYERSKIP_TOKEN_COST,
-                 model_accept: float | None = None):
+                 model_accept: float | None = None, adapt: float = 0.05):
         super().__init__(cache, model, flags)
         self.predictor, self.table, self.model_token_cost = predictor, dict(cost_table), model_token_cost
         if model_accept is None:
             model_accept = float(getattr(predictor, "meta", {}).get("model_mean_accept", 1.0))
-        self.model_accept = model_accept
+        if not 0.0 <= adapt <= 1.0:
+            raise ValueError(f"adapt must be in [0, 1], got {adapt}")
+        self.model_accept, self.adapt = model_accept, adapt
+        self.model_len_seen: float | None = None  # measured mean model-draft length
+        self.model_draft_cost: float | None = None  # measured drafting time per model draft, in forwards
+        self.forward_s: float | None = None  # measured time of a one-token target forward
 
     def rates(self, view: StepView, y: float) -> dict[str, float]:
         r = {NONE: 1.0 / verify_cost(1, self.table)}
@@ -194,8 +206,29 @@ class CostPolicy(Policy):
             r[CACHE] = (min(max(y, 0.0), view.cache_len) + 1) / verify_cost(1 + view.cache_len, self.table)
         k = view.model_len
         if k > 0:
-            r[MODEL] = (min(self.model_accept, k) + 1) / (verify_cost(1 + k, self.table) + k * self.model_token_cost)
+            kk = min(self.model_len_seen, k) if self.model_len_seen is not None else k
+            draft = self.model_draft_cost if self.model_draft_cost is not None else k * self.model_token_cost
+            r[MODEL] = (min(self.model_accept, kk) + 1) / (verify_cost(1 + kk, self.table) + draft)
         return r
+
+    def learn(self, rec) -> None:
+        """Fold one measured step (``engine.request.StepRecord``) into the model-side estimates."""
+        a = self.adapt
+        if a == 0.0:
+            return
+        ema = lambda old, x: x if old is None else (1 - a) * old + a * x  # noqa: E731
+        if rec.verify_s > 0:
+            self.forward_s = ema(self.forward_s, rec.verify_s / verify_cost(1 + rec.drafted, self.table))
+        if self.model is not None and rec.source == getattr(self.model, "name", None):
+            self.model_accept = ema(self.model_accept, float(rec.accepted))
+            self.model_len_seen = ema(self.model_len_seen, float(rec.drafted))
+            if self.forward_s:
+                self.model_draft_cost = ema(self.model_draft_cost, rec.draft_s / self.forward_s)
+
+    def __call__(self, req, engine):
+        if req.stats.steps:  # each record is seen once: the request's previous step
+            self.learn(req.stats.steps[-1])
+        return super().__call__(req, engine)
 
     def decide(self, view):
         y = float(self.predictor.predict(view.phi)) if view.cache_len > 0 else 0.0
