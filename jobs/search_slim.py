@@ -34,9 +34,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from hvd_ray.dimr import SlimMask, save_mask  # noqa: E402
-from hvd_ray.dimr.budget import measure_costs, measure_mask  # noqa: E402
+from hvd_ray.dimr.budget import SubLayerCosts, measure_costs, measure_mask  # noqa: E402
 from hvd_ray.dimr.cost import DEFAULT_ALPHA, DEFAULT_BETA  # noqa: E402
-from hvd_ray.dimr.search import (OBJECTIVES, SearchProblem, SlimEvaluator, decode, generate_sequences,  # noqa: E402
+from hvd_ray.dimr.search import (LOCAL_MOVES, OBJECTIVES, SearchProblem, SlimEvaluator, decode, generate_sequences,  # noqa: E402
                                  greedy_search, parse_param, place_windows, random_scores, run_screen, run_search,
                                  screen_seeds, sequences_from_traces)
 
@@ -77,8 +77,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--startup", type=int, default=16,
                     help="start-up trials before TPE (warm-start points count; the rest are random)")
     ap.add_argument("--random-every", type=int, default=2, help="after start-up, every k-th trial is random")
-    ap.add_argument("--local-sigma", type=float, default=0.05,
-                    help="interleaved random trials perturb the incumbent's scores by N(0, σ²) (0 = uniform)")
+    ap.add_argument("--local", choices=LOCAL_MOVES, default="swap",
+                    help="interleaved random trials: swap moves around the incumbent, Gaussian noise on its "
+                         "scores, or uniform random masks")
+    ap.add_argument("--local-sigma", type=float, default=0.05, help="σ of --local gauss")
+    ap.add_argument("--costs", default=None,
+                    help="reuse measured sub-layer costs (a report.json of an earlier run) instead of timing now")
+    ap.add_argument("--greedy-from", default=None,
+                    help="take the greedy baseline mask from an earlier run's report.json (same calibration set "
+                         "and --costs) instead of recomputing it; the report says so")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-prior", action="store_true", help="do not warm-start with the layer-skip heuristic")
     ap.add_argument("--no-screen", action="store_true",
@@ -134,9 +141,15 @@ def main(argv=None) -> None:
     model, tokenizer = load(a.model, dtype=a.dtype, device=a.device)
     log(f"model {folder.name} ({model.cfg.n_layers} layers, {a.dtype}, {a.device}), revision {revision[:12]}")
 
-    costs = measure_costs(model, batch=a.time_batch, tokens=a.time_tokens, prefix=a.time_prefix,
-                          rounds=a.time_rounds)
+    if a.costs:
+        costs = SubLayerCosts.from_json(json.loads(Path(a.costs).read_text())["costs"])
+        log(f"sub-layer costs from {a.costs} (measured there)")
+    else:
+        costs = measure_costs(model, batch=a.time_batch, tokens=a.time_tokens, prefix=a.time_prefix,
+                              rounds=a.time_rounds)
     L = model.cfg.n_layers
+    if costs.n_layers != L:
+        raise SystemExit(f"--costs are for {costs.n_layers} layers, the model has {L}")
     log(f"measured: full forward {costs.full_s * 1e3:.1f} ms, attention {costs.attn[0] * 1e3:.3f} ms/layer, "
         f"MLP {costs.mlp[0] * 1e3:.3f} ms/layer, non-block {costs.rest * 1e3:.1f} ms")
 
@@ -164,7 +177,7 @@ def main(argv=None) -> None:
         res = run_search(problem, trials=a.trials, minutes=max(a.minutes - screen_s / 60, 0.5), parallel=a.parallel,
                          startup=a.startup, random_every=a.random_every, seed=a.seed, storage=str(CACHE / "tune"),
                          verbose=0, progress=log, prior=not a.no_prior, seeds=seeds,
-                         local_sigma=a.local_sigma)
+                         local=a.local, local_sigma=a.local_sigma)
     finally:
         ray.shutdown()
     dimr_s = screen_s + res.wall_s
@@ -176,7 +189,15 @@ def main(argv=None) -> None:
     cal = {"dimr": ev.evaluate(res.mask, **kw), "full": ev.evaluate([], **kw)}
     masks = {"dimr": res.mask}
     greedy_info = {}
-    if not a.no_greedy:
+    if a.greedy_from:
+        prev = json.loads(Path(a.greedy_from).read_text())
+        if prev["costs"] != costs.to_json() or prev["calibration"]["sequences"] != len(calib):
+            raise SystemExit("--greedy-from needs the same --costs and calibration set as that run")
+        masks["greedy"] = SlimMask.parse(prev["masks"]["greedy"]["spec"], L)
+        greedy_info = {**prev["greedy"], "from": a.greedy_from, "from_command": prev["command"]}
+        cal["greedy"] = ev.evaluate(masks["greedy"], **kw)
+        log(f"greedy mask from {a.greedy_from}: {masks['greedy'].spec()}")
+    elif not a.no_greedy:
         t0 = time.perf_counter()
         first = {parse_param(k): m["kl"] for k, m in screen.items()} or None
         masks["greedy"], greedy_info = greedy_search(lambda s: ev.evaluate(s, **kw), costs, a.budget, metric="kl",
@@ -189,14 +210,14 @@ def main(argv=None) -> None:
     rng = random.Random(a.seed + 7)
     rand_masks = [decode(random_scores(L, rng), costs, a.budget) for _ in range(a.random)]
     rand_cal = [ev.evaluate(m, **kw) for m in rand_masks]
-    del ev
+    ev = None  # frees the calibration K/V backups
     log(f"{a.random} random masks scored on calibration")
 
     hv = SlimEvaluator(model, held, width=a.width, topk=a.topk)
     heldout = {k: hv.evaluate(m, **kw) for k, m in masks.items()}
     heldout["full"] = hv.evaluate([], **kw)
     rand_held = [hv.evaluate(m, **kw) for m in rand_masks]
-    del hv
+    hv = None
     model.cache = None
     if rand_masks:
         bi = min(range(len(rand_masks)), key=lambda i: rand_held[i]["kl"])
@@ -225,7 +246,8 @@ def main(argv=None) -> None:
         "costs": costs.to_json(), "threads": a.threads, "parallel": a.parallel,
         "dimr": {"trials": len(res.trials), "screen_trials": len(screen), "screen_s": screen_s,
                  "search_s": dimr_s, "warm_start_points": len(seeds) + (not a.no_prior), "startup": a.startup,
-                 "random_every": a.random_every, "local_sigma": a.local_sigma, "best_trial": res.metrics},
+                 "random_every": a.random_every, "local": a.local, "local_sigma": a.local_sigma,
+                 "best_trial": res.metrics},
         "greedy": greedy_info, "random": {"n": len(rand_masks), "heldout_kl": [m["kl"] for m in rand_held]},
         "masks": {k: {"spec": m.spec(), "n_attn": sum(s == "attn" for _, s in m.skip),
                       "n_mlp": sum(s == "mlp" for _, s in m.skip), "kept": costs.kept_fraction(m),
@@ -266,13 +288,16 @@ def render_md(r: dict) -> str:
               f"calibration precompute): sensitivity screen {d['screen_trials']} trials in {d['screen_s']:.0f} s, "
               f"then {d['trials']} TPE/random trials ({d['warm_start_points']} warm-start points, "
               f"{d['startup']} start-up trials, every {d['random_every']}th later trial random"
-              + (f": a local move, incumbent scores + N(0, {d['local_sigma']}²)" if d.get("local_sigma") else "")
+              + {"swap": ": a local move, 1-2 random kept/skipped swaps of the incumbent",
+                 "gauss": f": a local move, incumbent scores + N(0, {d['local_sigma']}²)"}.get(d.get("local"), "")
               + ")."]
     if r["greedy"]:
         g = r["greedy"]
         lines.append(f"Greedy: {g['evals']} evaluations in {g['wall_s']:.0f} s"
                      + (" (its first pass is the DIMR screen, not re-evaluated)" if g.get("first_pass_from_screen")
-                        else "") + (f"; lazy, re-scoring the {g['recheck']} best candidates per step"
+                        else "")
+                     + (f"; computed by an earlier run on the same calibration set and costs: `{g['from_command']}`"
+                        if g.get("from") else "") + (f"; lazy, re-scoring the {g['recheck']} best candidates per step"
                                     if g.get("recheck") else "") + ".")
     lines += ["", "Measured time (verify-shaped forward: batch "
               f"{c['setting']['batch']}, {c['setting']['tokens']} new tokens after a {c['setting']['prefix']}-token "

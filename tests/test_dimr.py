@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import numpy as np
@@ -12,7 +11,7 @@ import torch
 from hvd_ray.dimr import MaskError, SlimMask, load_mask, save_mask
 from hvd_ray.dimr.budget import SubLayerCosts, measure_costs, measure_mask
 from hvd_ray.dimr.cost import coarse_logprobs, kl, r_cost
-from hvd_ray.dimr.search import (CalibSeq, SearchProblem, SlimEvaluator, decode, greedy_search, param_name,
+from hvd_ray.dimr.search import (CalibSeq, LocalRandomSampler, SearchProblem, SlimEvaluator, decode, greedy_search, param_name,
                                  parse_param, place_windows, random_scores, run_search, screen_seeds)
 from hvd_ray.model import Transformer
 
@@ -124,6 +123,23 @@ def test_screen_seeds_rank_by_sensitivity():
     assert len(seeds) == 5 and all(set(s) == set(sens) and all(0 <= v <= 1 for v in s.values()) for s in seeds)
     # budget 0.5 of 12 equal sub-layers: layer 0 + the 4 most sensitive are kept, the 6 least skipped
     assert decode(seeds[0], costs, 0.5).skip == tuple(sorted(cands[:6]))
+
+
+def test_swap_moves_change_the_incumbent_mask():
+    import optuna
+
+    costs = SubLayerCosts.uniform(8, attn=1.0, mlp=1.5)
+    dists = {param_name(c): optuna.distributions.FloatDistribution(0.0, 1.0) for c in SlimMask.candidates(8)}
+    study = optuna.create_study(sampler=LocalRandomSampler(seed=3, costs=costs, budget=0.6))
+    best = random_scores(8, random.Random(0))
+    study.add_trial(optuna.trial.create_trial(params=best, distributions=dists, value=1.0))
+    incumbent = decode(best, costs, 0.6)
+    for _ in range(10):
+        t = study.ask(dists)
+        moved = decode(t.params, costs, 0.6)
+        assert moved != incumbent and costs.kept_fraction(moved) <= 0.6 + 1e-9
+        assert 1 <= len(set(moved.skip) ^ set(incumbent.skip)) <= 6  # a local move, not a fresh mask
+        study.tell(t, 2.0)
 
 
 # ---------------------------------------------------------------------------------- model

@@ -36,7 +36,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import optuna
 import torch
@@ -46,6 +46,7 @@ from .cost import DEFAULT_ALPHA, DEFAULT_BETA, check_alpha_beta, kl, r_cost, wit
 from .mask import SUBS, SlimMask, SubLayer
 
 OBJECTIVES = ("r", "kl")
+LOCAL_MOVES = ("swap", "gauss", "uniform")
 
 
 # ------------------------------------------------------------------------------ calibration
@@ -336,6 +337,7 @@ class SearchProblem:
 
 
 _EVALUATORS: dict[str, SlimEvaluator] = {}
+_SCORED: dict[str, dict] = {}  # mask spec -> metrics, per process: a repeated mask is not re-evaluated
 
 
 def evaluator_for(problem: SearchProblem) -> SlimEvaluator:
@@ -346,6 +348,7 @@ def evaluator_for(problem: SearchProblem) -> SlimEvaluator:
 
         torch.set_num_threads(problem.threads)
         _EVALUATORS.clear()  # one model per process
+        _SCORED.clear()
         model = Transformer.from_pretrained(resolve(problem.model), dtype=parse_dtype(problem.dtype),
                                             device=parse_device(problem.device))
         _EVALUATORS[key] = SlimEvaluator(model, problem.seqs, width=problem.width, topk=problem.topk)
@@ -369,7 +372,10 @@ def _trial_class():
             else:
                 mask = decode(self.config, p.costs, p.budget)
             t0 = time.perf_counter()
-            m = self.ev.evaluate(mask.skipped, alpha=p.alpha, beta=p.beta)
+            key = f"{mask.spec()}|{p.alpha}|{p.beta}"
+            if key not in _SCORED:
+                _SCORED[key] = self.ev.evaluate(mask.skipped, alpha=p.alpha, beta=p.beta)
+            m = _SCORED[key]
             return {**m, "objective": m[p.objective], "kept": p.costs.kept_fraction(mask), "spec": mask.spec(),
                     "n_skip": len(mask.skip), "eval_s": time.perf_counter() - t0, "done": True}
 
@@ -387,27 +393,50 @@ def _trial_class():
 
 
 class LocalRandomSampler(optuna.samplers.BaseSampler):
-    """Random search around the incumbent: the best finished trial's scores plus N(0, σ²) noise.
+    """Random search around the incumbent (the best finished trial): a random local move.
 
-    Through :func:`decode` a small perturbation of the scores swaps a few sub-layers near the budget
-    boundary in or out: a random local move. Uniform while no trial has finished.
+    With ``costs`` and ``budget`` a move is one or two random *swaps*: a kept and a skipped
+    sub-layer of the incumbent's mask exchange scores, so :func:`decode` skips the one and keeps the
+    other (the classic neighbourhood of subset selection). Without them it adds N(0, σ²) noise to
+    the incumbent's scores. Uniform while no trial has finished.
     """
 
-    def __init__(self, sigma: float = 0.05, seed: int = 0) -> None:
+    def __init__(self, sigma: float = 0.05, seed: int = 0, costs: SubLayerCosts | None = None,
+                 budget: float | None = None) -> None:
         self.sigma, self.rng = sigma, random.Random(seed)
+        self.costs, self.budget = costs, budget
         self.uniform = optuna.samplers.RandomSampler(seed=seed)
 
+    @staticmethod
+    def _best(study) -> dict:
+        try:
+            return study.best_trial.params
+        except ValueError:  # nothing finished yet
+            return {}
+
     def infer_relative_search_space(self, study, trial):
-        return {}
+        if self.costs is None:
+            return {}
+        try:
+            return dict(study.best_trial.distributions)
+        except ValueError:
+            return {}
 
     def sample_relative(self, study, trial, search_space):
-        return {}
+        x = dict(self._best(study))
+        if not search_space or set(x) != set(search_space):
+            return {}
+        skipped = [param_name(c) for c in decode(x, self.costs, self.budget).skip]
+        kept = sorted(set(x) - set(skipped))
+        if not skipped or not kept:
+            return {}
+        for _ in range(1 + (self.rng.random() < 0.5)):
+            a, b = self.rng.choice(kept), self.rng.choice(skipped)
+            x[a], x[b] = x[b], x[a]
+        return x
 
     def sample_independent(self, study, trial, param_name, param_distribution):
-        try:
-            best = study.best_trial.params
-        except ValueError:  # nothing finished yet
-            best = {}
+        best = self._best(study)
         if param_name not in best:
             return self.uniform.sample_independent(study, trial, param_name, param_distribution)
         v = best[param_name] + self.rng.gauss(0.0, self.sigma)
@@ -416,17 +445,19 @@ class LocalRandomSampler(optuna.samplers.BaseSampler):
 
 class InterleavedSampler(optuna.samplers.BaseSampler):
     """TPE after ``startup`` trials (uniform random ones, TPE's own start-up), with every
-    ``random_every``-th later trial a random one: uniform (``local_sigma = 0``) or a random local
-    move around the incumbent (:class:`LocalRandomSampler`).
+    ``random_every``-th later trial a random one: uniform, or a random local move around the
+    incumbent (:class:`LocalRandomSampler`: swaps when ``costs``/``budget`` are given, else Gaussian
+    noise of ``local_sigma``).
 
     Module-level (not a closure) because Tune pickles the searcher state.
     """
 
     def __init__(self, seed: int = 0, startup: int = 20, random_every: int = 4, multivariate: bool = True,
-                 local_sigma: float = 0.0) -> None:
+                 local_sigma: float = 0.0, costs: SubLayerCosts | None = None, budget: float | None = None) -> None:
         self.startup, self.random_every = startup, random_every
         self.tpe = optuna.samplers.TPESampler(n_startup_trials=startup, seed=seed, multivariate=multivariate)
-        self.rand = (LocalRandomSampler(local_sigma, seed + 1) if local_sigma > 0
+        local = local_sigma > 0 or costs is not None
+        self.rand = (LocalRandomSampler(local_sigma, seed + 1, costs, budget) if local
                      else optuna.samplers.RandomSampler(seed=seed + 1))
 
     def _pick(self, trial) -> optuna.samplers.BaseSampler:
@@ -491,13 +522,16 @@ def run_screen(problem: SearchProblem, *, parallel: int = 1, storage: str | None
 
 def run_search(problem: SearchProblem, *, trials: int, minutes: float | None = None, parallel: int = 1,
                startup: int = 20, random_every: int = 4, seed: int = 0, storage: str | None = None,
-               verbose: int = 1, prior: bool = True, seeds: Sequence[dict] = (), local_sigma: float = 0.0,
-               progress: Callable[[str], None] | None = None) -> SearchResult:
+               verbose: int = 1, prior: bool = True, seeds: Sequence[dict] = (), local: str = "swap",
+               local_sigma: float = 0.05, progress: Callable[[str], None] | None = None) -> SearchResult:
     """DIMR on Ray Tune (Ray must be initialised). Returns the best mask by the problem's objective.
 
     ``seeds`` (e.g. :func:`screen_seeds`) and, with ``prior``, the layer-skip heuristic are
-    evaluated first (``points_to_evaluate``); they count towards ``startup``.
+    evaluated first (``points_to_evaluate``); they count towards ``startup``. ``local`` is the kind of
+    interleaved random trial: ``"swap"``, ``"gauss"`` (σ = ``local_sigma``) or ``"uniform"``.
     """
+    if local not in LOCAL_MOVES:
+        raise ValueError(f"local must be one of {LOCAL_MOVES}, got {local!r}")
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
@@ -512,7 +546,8 @@ def run_search(problem: SearchProblem, *, trials: int, minutes: float | None = N
                 progress(f"trial {self.n}: {problem.objective}={result['objective']:.4f} kl={result['kl']:.4f} "
                          f"top1={result['top1']:.3f} kept={result['kept']:.3f} best={self.best:.4f}")
 
-    sampler = InterleavedSampler(seed, startup, random_every, local_sigma=local_sigma)
+    sampler = InterleavedSampler(seed, startup, random_every, local_sigma=local_sigma if local == "gauss" else 0.0,
+                                 costs=problem.costs if local == "swap" else None, budget=problem.budget)
     searcher = OptunaSearch(metric="objective", mode="min", sampler=sampler,
                             points_to_evaluate=([prior_scores(problem.costs.n_layers)] if prior else [])
                             + [dict(x) for x in seeds] or None)
