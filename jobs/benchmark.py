@@ -4,9 +4,11 @@ and reports medians and ratios from the same run: these machines are shared and 
 Modes:
   engine  own engine vs transformers ``generate`` (batch 1 and 8) + the k-token verify cost table
   spec    greedy vs each speculative drafter on real prompts: MAT, target forwards / 1k tokens, tok/s
+  http    the Ray Serve app over HTTP at concurrency 1 and 8: requests/s, tokens/s, latency, TTFT
 
     python jobs/benchmark.py engine [--quick]
-    python jobs/benchmark.py spec [--quick]
+    python jobs/benchmark.py spec [--quick] [--warm-traces DIR]
+    python jobs/benchmark.py http [--quick] [--serve-drafter hvd]
 """
 
 from __future__ import annotations
@@ -164,6 +166,15 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object
     return [make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len, tree=tree)], None
 
 
+def warm_outputs(traces_dir: str) -> list[tuple[str, list[int]]]:
+    """(id, output tokens) of the train-split traces in a ``collect_traces`` folder, in arrival order:
+    past outputs to seed suffix drafters' global trees with (never the held-out prompts' own)."""
+    from hvd_ray.traces.replay import read_trace_table, traces_from_table
+
+    traces = traces_from_table(read_trace_table(traces_dir))
+    return [(f"warm-{t.seq}", t.output) for t in traces if t.split in ("train", "")]
+
+
 def bench_spec(args) -> str:
     """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s."""
     model, tok = load("default", "bfloat16")
@@ -176,6 +187,12 @@ def bench_spec(args) -> str:
             methods[name] = make_method(name, model, tok, args, max_len)
         except (ValueError, FileNotFoundError) as e:
             print(f"skipping {name}: {e}", file=sys.stderr)
+    warm = warm_outputs(args.warm_traces) if args.warm_traces else []
+    for ds, _ in methods.values():  # a serving system's global tree holds its past outputs
+        for d in ds:
+            if hasattr(d, "add_to_global"):
+                for rid, out in warm:
+                    d.add_to_global(rid, out)
     engines = {m: Engine(model, drafters=ds, policy=pol, max_batch=1, max_len=max_len,
                          num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id])
                for m, (ds, pol) in methods.items()}
@@ -213,7 +230,9 @@ def bench_spec(args) -> str:
         f"{n_per} held-out (test split) prompts per workload of <= {args.max_prompt_tokens} tokens, "
         f"draft budget {args.num_draft_tokens} tokens (`-tree` = tree drafts); "
         "every method runs on a prompt before the next prompt (interleaved). The suffix drafter's global "
-        "tree starts empty and fills with this run's outputs.",
+        + (f"tree starts with {len(warm)} past outputs (the train-split traces in `{args.warm_traces}`, as a "
+           "serving system's history would hold them) and fills with this run's outputs."
+           if warm else "tree starts empty and fills with this run's outputs."),
         "",
         "MAT = mean accepted tokens per target forward (decode steps: accepted draft tokens + 1); "
         "fwd/1k = target forwards (prefill included) per 1,000 generated tokens; speedup = tok/s over "
@@ -240,15 +259,118 @@ def bench_spec(args) -> str:
         {f"{w}/{m}": v for (w, m), v in rows.items()}, indent=1) + "\n```\n</details>\n"
 
 
+# ----------------------------------------------------------------------------------------- http
+def bench_http(args) -> str:
+    """The Serve app (one replica, bf16) driven over HTTP by `c` concurrent streaming clients."""
+    import httpx
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from hvd_ray.serving import build_app
+
+    tok = AutoTokenizer.from_pretrained(resolve("default"))
+    n_per = 2 if args.quick else 4
+    prompts = [ids for _, _, ids in prompt_ids(tok, ("function_calling", "code", "code_edit", "chat"), n_per, 1024)]
+    config = {"model": "default", "dtype": "bfloat16", "drafter": args.serve_drafter, "max_batch": 8,
+              "max_model_len": 2048, "max_tokens": 1024, "torch_threads": args.threads, "num_replicas": 1,
+              "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1}}
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name="bench", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+
+    def one(ids: list[int]) -> dict:
+        body = {"model": "default", "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        ttft, usage = None, None
+        with httpx.Client(base_url=base, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ttft is None and ev.get("choices") and ev["choices"][0].get("text"):
+                    ttft = time.perf_counter() - t0
+                if ev.get("usage"):
+                    usage = ev["usage"]
+        return {"latency": time.perf_counter() - t0, "ttft": ttft or float("nan"),
+                "tokens": usage["completion_tokens"] if usage else 0}
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    def pct(xs, q):
+        xs = sorted(x for x in xs if x == x)
+        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+    rows, raw = [], {}
+    try:
+        one(prompts[0])  # warm-up
+        with httpx.Client(base_url=base) as c:
+            s0 = c.get("/stats").json()
+        for conc in (1, 8):
+            work = prompts * (2 if conc == 8 else 1)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(conc) as pool:
+                res = list(pool.map(one, work))
+            wall = time.perf_counter() - t0
+            with httpx.Client(base_url=base) as c:
+                s1 = c.get("/stats").json()
+            wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - \
+                sum(d.get("wait_s", 0.0) for d in s0["drafters"].values())
+            busy = s1["decode_s"] - s0["decode_s"]
+            s0 = s1
+            toks = sum(r["tokens"] for r in res)
+            raw[f"c{conc}"] = res
+            rows.append(f"| {conc} | {len(work)} | {len(work) / wall:.2f} | {toks / wall:.1f} | "
+                        f"{pct([r['latency'] for r in res], 0.5):.2f} | {pct([r['latency'] for r in res], 0.99):.2f} | "
+                        f"{pct([r['ttft'] for r in res], 0.5):.2f} | {pct([r['ttft'] for r in res], 0.99):.2f} | "
+                        f"{100 * wait / busy if busy else 0:.1f}% |")
+            print(rows[-1], file=sys.stderr)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    lines = [
+        "# HTTP benchmark: the Ray Serve app at concurrency 1 and 8",
+        "",
+        f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`  ",
+        f"Machine: {machine_line()}  ",
+        f"Server: one replica, SmolLM2-135M-Instruct bf16, drafter `{args.serve_drafter}`"
+        + (" (suffix cache in the shared drafter actor + shipped EAGLE-3 head, cost policy)" if args.serve_drafter == "hvd" else "")
+        + f", max_batch 8, {args.threads} torch threads; greedy, up to {args.max_tokens} new tokens; "
+        f"{len(prompts)} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
+        "(`/v1/completions`, SSE). Concurrency 8 sends every prompt twice.",
+        "",
+        "Latency = request start to `[DONE]`; TTFT = request start to the first text chunk; "
+        "actor wait = time the engine loop spent blocked on the suffix-drafter actor / time inside engine steps.",
+        "",
+        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+    ]
+    return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n</details>\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["engine", "spec"])
+    ap.add_argument("mode", choices=["engine", "spec", "http"])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
     ap.add_argument("--eagle3-head", default=None)
     ap.add_argument("--predictor", default=None, help="yield predictor for hvd-* methods (default: shipped)")
-    ap.add_argument("--model-drafter", default="layerskip", help="model drafter of hvd-* methods")
+    ap.add_argument("--model-drafter", default="eagle3", help="model drafter of hvd-* methods")
     ap.add_argument("--num-draft-tokens", type=int, default=16)
+    ap.add_argument("--warm-traces", default=None,
+                    help="spec: seed suffix drafters' global trees with the train-split outputs in this trace folder")
+    ap.add_argument("--serve-drafter", default="hvd", help="http: the server's drafter (hvd, suffix, none, ...)")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
     ap.add_argument("--threads", type=int, default=2)
@@ -259,7 +381,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
     args.reps = args.reps or (2 if args.quick else 3)
-    report = {"engine": bench_engine, "spec": bench_spec}[args.mode](args)
+    report = {"engine": bench_engine, "spec": bench_spec, "http": bench_http}[args.mode](args)
     out = Path(args.out or ROOT / "benchmarks" / f"{args.mode}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
