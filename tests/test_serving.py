@@ -367,6 +367,79 @@ def test_client_timeout_on_non_streamed_request_frees_the_slot(base_url, http):
     assert after["aborted"] == before["aborted"] + 1
 
 
+@slow
+def test_200_cancelled_streams_leave_no_state(base_url, http):
+    """Clients that hang up (before or after the first token) leave no slot, queue entry or
+    suffix-tree request behind, in the replica or in the shared drafter actor."""
+    import httpx
+    import ray
+
+    before = _wait_idle(http)
+    body = {"model": "default", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def one(i: int) -> None:
+        with httpx.Client(base_url=base_url, timeout=120, headers=http.headers) as c:
+            with c.stream("POST", "/v1/completions", json={**body, "prompt": f"Story number {i}:"}) as r:
+                assert r.status_code == 200
+                if i % 4 == 0:
+                    return  # hang up before reading anything
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        return  # hang up after the first event
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(200)))
+    after = _wait_idle(http, timeout=120)
+    assert after["running"] == 0 and after["waiting"] == 0, after
+    assert after["free_slots"] == CONFIG["max_batch"], after
+    assert after["finished"] == before["finished"]  # nothing ran to its end
+    assert after["aborted"] > before["aborted"]
+    deadline = time.monotonic() + 30  # the replica ships the last `end`s to the actor when idle
+    while True:
+        s = http.get("/stats").json()
+        actor = ray.get_actor(CONFIG.get("suffix_actor_name", "hvd-suffix-drafter"), namespace="hvd_ray")
+        if s["live_drafter_requests"] == 0 and ray.get(actor.stats.remote())["requests"] == 0:
+            break
+        assert time.monotonic() < deadline, (s, ray.get(actor.stats.remote()))
+        time.sleep(0.5)
+    assert _complete(http, prompt=PROMPT, max_tokens=4)["usage"]["completion_tokens"] == 4
+
+
+@slow
+def test_killing_the_suffix_actor_fails_no_request(http):
+    """The shared suffix-drafter actor dies mid-load: every request still completes, with exactly
+    the greedy output (drafts change speed, not text), and drafting resumes after Ray restarts it."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    prompts = ["def add(a, b):", "The three primary colours are", "import numpy as np\n", "Dear Sir,"]
+    want = [_complete(http, prompt=p, max_tokens=40)["choices"][0]["text"] for p in prompts]
+    actor = ray.get_actor("hvd-suffix-drafter", namespace="hvd_ray")
+    first = ray.get(actor.stats.remote())["incarnation"]
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(_complete, http, prompt=p, max_tokens=40) for p in prompts * 2]
+        deadline = time.monotonic() + 60
+        while http.get("/stats").json()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(actor, no_restart=False)  # Ray restarts it, empty
+        got = [f.result()["choices"][0]["text"] for f in futs]  # _complete asserts HTTP 200
+    assert got == want * 2
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if ray.get(actor.stats.remote(), timeout=30)["incarnation"] != first:
+                break
+        except ActorUnavailableError:
+            pass
+        assert time.monotonic() < deadline, "Ray did not restart the suffix drafter actor"
+        time.sleep(0.2)
+    assert _complete(http, prompt=prompts[0], max_tokens=40)["choices"][0]["text"] == want[0]
+    stats = http.get("/stats").json()["drafters"]["suffix"]
+    assert stats["calls"] > 0 and stats["live_requests"] == 0
+    assert ray.get(actor.stats.remote())["cached_requests"] >= 1  # the new actor holds new history
+
+
 # ------------------------------------------------------------------------------- fast unit tests
 class _CharTok:
     """Ids are code points, except that ids 0, 1 are the two bytes of "é" (0 alone is unfinished)."""

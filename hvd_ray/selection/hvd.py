@@ -36,12 +36,14 @@ def load_predictor(path: str | Path | None = None) -> YieldPredictor:
 
 def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = None, tau: float = 6.0,
               model_drafter: str = "layerskip", eagle3_head: str | None = None, slots: int = 8,
-              max_len: int = 2048) -> tuple[list, Policy]:
-    """(drafters for the Engine, the policy to pass as ``Engine(policy=...)``)."""
+              max_len: int = 2048, cache=None, draft_model: str | None = None) -> tuple[list, Policy]:
+    """(drafters for the Engine, the policy to pass as ``Engine(policy=...)``). ``cache``: the suffix
+    drafter to use (default a fresh in-process one; serving passes its actor proxy)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    cache = SuffixDrafter()
-    drafter = make_drafter(model_drafter, model, eagle3_head=eagle3_head, slots=slots, max_len=max_len)
+    cache = cache if cache is not None else SuffixDrafter()
+    drafter = make_drafter(model_drafter, model, eagle3_head=eagle3_head, draft_model=draft_model, slots=slots,
+                           max_len=max_len)
     flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)
     if policy in ("tau", "cost"):
         g = load_predictor(predictor)

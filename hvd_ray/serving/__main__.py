@@ -1,6 +1,6 @@
 """``python -m hvd_ray.serving``: start Ray + Serve locally, deploy the app, print the URL, block.
 
-    python -m hvd_ray.serving                          # default model, suffix drafter, bf16, :8000
+    python -m hvd_ray.serving                          # default model, HVD (suffix + EAGLE-3, cost policy), bf16, :8000
     python -m hvd_ray.serving --config config.yaml     # args (and http_options) from a Serve config
     python -m hvd_ray.serving --drafter none --dtype float32 --port 8001 --api-key sk-local
 
@@ -26,7 +26,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray instance")
     for flag, kind in [("model", str), ("drafter", str), ("dtype", str), ("device", str), ("max-batch", int),
                        ("max-model-len", int), ("max-tokens", int), ("api-key", str), ("torch-threads", int),
-                       ("served-model-name", str), ("num-replicas", int)]:
+                       ("served-model-name", str), ("num-replicas", int), ("policy", str), ("model-drafter", str)]:
         p.add_argument(f"--{flag}", type=kind, default=None)
     return p.parse_args(argv)
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args, http = _from_file(a.config) if a.config else ({}, {})
     for key in ("model", "drafter", "dtype", "device", "max_batch", "max_model_len", "max_tokens", "api_key",
-                "torch_threads", "served_model_name", "num_replicas"):
+                "torch_threads", "served_model_name", "num_replicas", "policy", "model_drafter"):
         if getattr(a, key) is not None:
             args[key] = getattr(a, key)
     if a.num_replicas is not None:

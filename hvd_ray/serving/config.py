@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..drafters import DRAFTERS
+from ..model.registry import ALIASES
 
 
 class ServingConfig(BaseModel):
@@ -23,11 +24,19 @@ class ServingConfig(BaseModel):
     served_model_name: str | None = Field(None, description="the id clients send as `model` (default: `model`)")
     dtype: str = "bfloat16"
     device: str = "cpu"
-    drafter: str = "suffix"
+    drafter: str = Field("hvd", description="hvd (suffix cache + model drafter, picked per step by `policy`) | "
+                         "suffix | eagle3 | layerskip | draft-model | none")
     num_draft_tokens: int = Field(8, ge=0, le=64)
     draft_model: str | None = None
     eagle3_head: str | None = None
     layerskip: str | None = Field(None, description="skip spec for --drafter layerskip (default: the drafter's)")
+    # HVD (drafter: hvd): the suffix cache + a model drafter, chosen per step by a policy
+    policy: str = Field("cost", description="HVD selection policy: tau | cost | score | always-cache | always-model")
+    model_drafter: str = Field("eagle3", description="HVD's model drafter: eagle3 | layerskip | draft-model | none")
+    predictor: str | None = Field(None, description="HVD yield-predictor artifact folder (default: the shipped one)")
+    suffix_actor: bool = Field(True, description="suffix trees live in a shared CPU actor (serving/suffix_actor.py) "
+                               "instead of inside each replica")
+    suffix_actor_name: str = Field("hvd-suffix-drafter", description="name of that actor (one per application)")
 
     # --- engine limits
     max_batch: int = Field(4, ge=1, le=256, description="KV-cache slots = requests decoded together")
@@ -53,8 +62,17 @@ class ServingConfig(BaseModel):
     @field_validator("drafter")
     @classmethod
     def _known_drafter(cls, v: str) -> str:
-        if v not in DRAFTERS:
-            raise ValueError(f"unknown drafter {v!r}; choose from {', '.join(DRAFTERS)}")
+        if v not in DRAFTERS + ("hvd",):
+            raise ValueError(f"unknown drafter {v!r}; choose from {', '.join(DRAFTERS + ('hvd',))}")
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from ..selection.hvd import POLICIES
+
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose from {', '.join(POLICIES)}")
         return v
 
     @field_validator("dtype")
@@ -75,8 +93,15 @@ class ServingConfig(BaseModel):
             raise ValueError(f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})")
         if self.drafter == "draft-model" and not self.draft_model:
             raise ValueError("drafter 'draft-model' needs draft_model (a folder sharing the tokenizer)")
-        if self.drafter == "eagle3" and not self.eagle3_head:
-            raise ValueError("drafter 'eagle3' needs eagle3_head (a folder with an EAGLE-3 head)")
+        if self.drafter == "hvd" and self.model_drafter not in DRAFTERS or self.model_drafter == "suffix":
+            raise ValueError(f"model_drafter must be one of eagle3, layerskip, draft-model, none; got {self.model_drafter!r}")
+        if (self.drafter == "eagle3" or self.drafter == "hvd" and self.model_drafter == "eagle3") and \
+                self.model.lower() not in ALIASES and not self.eagle3_head:
+            raise ValueError("the shipped EAGLE-3 head fits the default model only: set eagle3_head, or "
+                             "model_drafter: layerskip, or drafter: suffix")
+        if self.tensor_parallel_size > 1 and self.drafter == "hvd":
+            raise ValueError("drafter 'hvd' is not supported with tensor_parallel_size > 1 (its cost policy reads "
+                             "timings, which would differ between ranks)")
         return self
 
     @property

@@ -75,6 +75,7 @@ class EngineLoop:
         self.finished = 0
         self.aborted = 0
         self.steps = 0
+        self.decode_s = 0.0  # time inside engine.step()
         self._thread = threading.Thread(target=self._run, name="hvd-engine-loop", daemon=True)
         self._thread.start()
 
@@ -134,12 +135,17 @@ class EngineLoop:
         while not self._stop:
             self._drain()
             if not self.engine.has_unfinished():
+                for d in getattr(self.engine, "drafters", ()):  # e.g. ship buffered `end`s to the suffix actor
+                    if hasattr(d, "flush"):
+                        d.flush()
                 self._publish_queue()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
             try:
+                t0 = time.perf_counter()
                 outs = self.engine.step()
+                self.decode_s += time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
                 self.error = e
                 logger.error("engine step failed:\n%s", traceback.format_exc())
@@ -210,12 +216,10 @@ class ModelReplica:
         else:
             self.model, self.tok = load(cfg.model, cfg.dtype, cfg.device)
             max_len = min(cfg.max_model_len, self.model.cfg.max_position)
-            drafter = make_drafter(cfg.drafter, self.model, draft_model=cfg.draft_model,
-                                   eagle3_head=cfg.eagle3_head, skip=cfg.layerskip, slots=cfg.max_batch,
-                                   max_len=max_len)
+            drafters, policy = self._drafters(cfg, max_len)
             eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
-            self.engine = Engine(self.model, drafters=[drafter] if drafter else [], max_batch=cfg.max_batch,
-                                 max_len=max_len, num_draft_tokens=cfg.num_draft_tokens if drafter else 0,
+            self.engine = Engine(self.model, drafters=drafters, policy=policy, max_batch=cfg.max_batch,
+                                 max_len=max_len, num_draft_tokens=cfg.num_draft_tokens if drafters else 0,
                                  eos_token_ids=eos,
                                  detokenize=lambda t: self.tok.decode(t, skip_special_tokens=True))
         try:
@@ -226,6 +230,28 @@ class ModelReplica:
         self.loop = EngineLoop(self.engine, self.metrics)
         logger.info("ModelReplica ready: model=%s dtype=%s drafter=%s max_batch=%d max_len=%d threads=%d",
                     cfg.model, cfg.dtype, cfg.drafter, cfg.max_batch, self.engine.max_len, torch.get_num_threads())
+
+    def _drafters(self, cfg: ServingConfig, max_len: int) -> tuple[list, object]:
+        """The engine's drafters and policy; the suffix drafter is the shared actor's proxy when
+        ``suffix_actor`` is set."""
+        from ..drafters import make_drafter
+
+        cache = None
+        if cfg.suffix_actor and cfg.drafter in ("suffix", "hvd"):
+            from .suffix_actor import RemoteSuffixDrafter, service_actor
+
+            cache = RemoteSuffixDrafter(service_actor(cfg.suffix_actor_name))
+        if cfg.drafter == "hvd":
+            from ..selection.hvd import build_hvd
+
+            return build_hvd(self.model, self.tok, policy=cfg.policy, predictor=cfg.predictor,
+                             model_drafter=cfg.model_drafter, eagle3_head=cfg.eagle3_head,
+                             draft_model=cfg.draft_model, slots=cfg.max_batch, max_len=max_len, cache=cache)
+        if cache is not None:
+            return [cache], None
+        drafter = make_drafter(cfg.drafter, self.model, draft_model=cfg.draft_model, eagle3_head=cfg.eagle3_head,
+                               skip=cfg.layerskip, slots=cfg.max_batch, max_len=max_len)
+        return ([drafter] if drafter else []), None
 
     # ---- Serve hooks
     def check_health(self) -> None:
@@ -240,10 +266,18 @@ class ModelReplica:
     # ---- methods called by the ingress
     def info(self) -> dict:
         return {"model": self.cfg.model_id, "max_model_len": self.engine.max_len,
-                "max_tokens": self.cfg.max_tokens, "drafter": self.cfg.drafter, "dtype": self.cfg.dtype}
+                "max_tokens": self.cfg.max_tokens, "drafter": self.cfg.drafter, "dtype": self.cfg.dtype,
+                "policy": self.cfg.policy if self.cfg.drafter == "hvd" else None}
 
     def stats(self) -> dict:
-        return self.loop.stats()
+        """Engine-loop figures plus per-drafter state (live requests it tracks, actor wait time)."""
+        out = self.loop.stats()
+        drafters = getattr(self.engine, "drafters", [])
+        out["drafters"] = {d.name: (d.stats() if hasattr(d, "stats") else {}) for d in drafters}
+        out["live_drafter_requests"] = sum(len(getattr(d, "_ctx", getattr(d, "_req", getattr(d, "_reqs", {}))))
+                                           for d in drafters)
+        out["decode_s"] = self.loop.decode_s
+        return out
 
     def _tokenize(self, req: dict) -> tuple[list[int], str]:
         if req.get("messages") is not None:
