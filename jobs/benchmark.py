@@ -2,10 +2,13 @@
 and reports medians and ratios from the same run: these machines are shared and noisy.
 
 Modes:
+  report  (the default) every method and peer side by side -> benchmarks/REPORT.md + benchmarks/report/*.png
+          (jobs/report.py); --quick: 2 prompts per workload, 48 tokens, no HTTP unless --http
   engine  own engine vs transformers ``generate`` (batch 1 and 8) + the k-token verify cost table
   spec    greedy vs each speculative drafter on real prompts: MAT, target forwards / 1k tokens, tok/s
   http    the Ray Serve app over HTTP at concurrency 1 and 8: requests/s, tokens/s, latency, TTFT
 
+    python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
     python jobs/benchmark.py spec [--quick] [--warm-traces DIR]
     python jobs/benchmark.py http [--quick] [--serve-drafter hvd]
@@ -20,7 +23,9 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -60,6 +65,75 @@ def prompt_ids(tok, workloads, per_workload: int, max_prompt_tokens: int, split:
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+
+# --------------------------------------------------------------------- shared measurement loop
+Runner = Callable[[list[int], SamplingParams, "list[int] | None"], "tuple[list[int], object | None]"]
+
+
+def engine_runner(engine: Engine) -> Runner:
+    """A method backed by one of our engines: (output, RequestStats) for one prompt at batch 1."""
+    def run(ids: list[int], params: SamplingParams, ref: list[int] | None):
+        req = engine.generate([ids], params)[0]
+        return req.output, req.stats
+    return run
+
+
+@dataclass
+class Runs:
+    """What ``run_interleaved`` measured: per (workload, method) accumulators, greedy agreement
+    per method, per-step (source, accepted, predicted) records and every output."""
+
+    rows: dict = field(default_factory=dict)
+    identical: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)  # method -> [(source, accepted, predicted)]
+    outputs: dict = field(default_factory=dict)  # (workload, prompt id, method) -> tokens
+
+
+def prefix_agreement(out: list[int], ref: list[int]) -> float:
+    """Share of the reference's tokens that ``out`` reproduces before the first difference."""
+    n = 0
+    while n < min(len(out), len(ref)) and out[n] == ref[n]:
+        n += 1
+    return n / max(len(ref), 1)
+
+
+def run_interleaved(runners: dict[str, Runner], prompts, params: SamplingParams, progress: str = "") -> Runs:
+    """Every method on a prompt before the next prompt (A B A B ...), batch 1. The first method is
+    the reference (greedy): later methods see its output for this prompt as ``ref`` (the live
+    oracle needs it) and are scored against it. Methods without engine stats (peers) count only
+    tokens and time."""
+    runs = Runs(identical={m: [] for m in runners})
+    for i, (w, pid, ids) in enumerate(prompts):
+        ref_out = None
+        for m, run in runners.items():  # interleaved: every method on this prompt, then the next prompt
+            t0 = time.perf_counter()
+            out, stats = run(ids, params, ref_out)
+            dt = time.perf_counter() - t0
+            if ref_out is None:
+                ref_out = out
+            runs.identical[m].append(out == ref_out)
+            runs.outputs[(w, pid, m)] = out
+            acc = runs.rows.setdefault((w, m), {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0,
+                                                "draft_s": 0.0, "cache_steps": 0, "slim_forwards": 0,
+                                                "prefix": 0.0, "identical": 0, "n": 0, "stats": stats is not None})
+            acc["tokens"] += len(out)
+            acc["time"] += dt
+            acc["prefix"] += prefix_agreement(out, ref_out)
+            acc["identical"] += out == ref_out
+            acc["n"] += 1
+            if stats is not None:
+                st = stats.summary(len(out))
+                acc["cache_steps"] += sum(s.source.startswith(("suffix", "arctic")) for s in stats.steps)
+                acc["forwards"] += st["target_forwards"]
+                acc["slim_forwards"] += st["slim_forwards"]
+                acc["steps"] += len(stats.steps)
+                acc["dec_tokens"] += sum(s.accepted + 1 for s in stats.steps)
+                acc["draft_s"] += st["draft_s"]
+                runs.steps.setdefault(m, []).extend((s.source, s.accepted, s.predicted) for s in stats.steps)
+        print(f"[{progress}{i + 1}/{len(prompts)}] {pid}", file=sys.stderr, flush=True)
+    return runs
 
 
 # --------------------------------------------------------------------------------------- engine
@@ -198,28 +272,8 @@ def bench_spec(args) -> str:
                for m, (ds, pol) in methods.items()}
     params = SamplingParams(max_tokens=args.max_tokens)
     engines["greedy"].generate([prompts[0][2]], params)  # warm-up
-    rows: dict[tuple[str, str], dict] = {}
-    identical: dict[str, list[bool]] = {m: [] for m in methods}
-    for i, (w, pid, ids) in enumerate(prompts):
-        ref_out = None
-        for m, eng in engines.items():  # interleaved: every method on this prompt, then the next prompt
-            t0 = time.perf_counter()
-            req = eng.generate([ids], params)[0]
-            dt = time.perf_counter() - t0
-            if m == "greedy":
-                ref_out = req.output
-            identical[m].append(req.output == ref_out)
-            st = req.stats.summary(len(req.output))
-            acc = rows.setdefault((w, m), {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0,
-                                           "draft_s": 0.0, "cache_steps": 0})
-            acc["cache_steps"] += sum(s.source.startswith("suffix") for s in req.stats.steps)
-            acc["tokens"] += len(req.output)
-            acc["time"] += dt
-            acc["forwards"] += st["target_forwards"]
-            acc["steps"] += len(req.stats.steps)
-            acc["dec_tokens"] += sum(s.accepted + 1 for s in req.stats.steps)
-            acc["draft_s"] += st["draft_s"]
-        print(f"[{i + 1}/{len(prompts)}] {pid}", file=sys.stderr)
+    runs = run_interleaved({m: engine_runner(e) for m, e in engines.items()}, prompts, params)
+    rows, identical = runs.rows, runs.identical
 
     lines = [
         "# Speculative decoding benchmark: greedy vs drafters (batch 1)",
@@ -361,8 +415,8 @@ def bench_http(args) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["engine", "spec", "http"])
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "http"])
+    ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
     ap.add_argument("--eagle3-head", default=None)
     ap.add_argument("--predictor", default=None, help="yield predictor for hvd-* methods (default: shipped)")
@@ -377,8 +431,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--out", default=None, help="markdown file to write (default benchmarks/<mode>.md)")
+    from report import add_args, main_report
+
+    add_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.mode == "report":
+        args.max_tokens = args.max_tokens or (48 if args.quick else 128)
+        return main_report(args)
+    args.workloads = args.workloads or list(WORKLOADS)
     args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
     args.reps = args.reps or (2 if args.quick else 3)
     report = {"engine": bench_engine, "spec": bench_spec, "http": bench_http}[args.mode](args)

@@ -1,0 +1,52 @@
+"""The side-by-side report end to end on the default model at 1 prompt x 8 tokens: the markdown has
+the machine line, the per-workload table with every requested method, the targets section, and the
+PNG plots exist; the live oracle is lossless and never needs more target forwards than either source alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "jobs"))
+
+from report_methods import accepted_against  # noqa: E402
+
+from hvd_ray.drafters.base import Draft  # noqa: E402
+
+
+def test_accepted_against_chain_and_tree():
+    assert accepted_against(Draft.chain([5, 6, 7]), [5, 6, 9]) == 2
+    assert accepted_against(Draft.chain([4, 6]), [5, 6]) == 0
+    assert accepted_against(Draft.chain([5, 6, 7]), [5]) == 1  # the reference ends (EOS)
+    # tree: 5 -> {6 -> 7, 8 -> 9}; truth follows the second branch
+    tree = Draft([5, 6, 7, 8, 9], [-1, 0, 1, 0, 3], [1.0] * 5)
+    assert accepted_against(tree, [5, 8, 9, 1]) == 3
+    assert accepted_against(Draft(), [1, 2]) == 0
+
+
+@pytest.mark.slow
+def test_report_end_to_end(tmp_path):
+    cmd = [sys.executable, str(ROOT / "jobs" / "benchmark.py"), "--quick", "--per-workload", "1", "--max-tokens", "8",
+           "--workloads", "code", "--methods", "greedy", "suffix", "oracle", "--threads", "1",
+           "--out-dir", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                              "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    md = (tmp_path / "REPORT.md").read_text()
+    assert "Machine: " in md and "torch " in md and "transformers " in md
+    assert "| method | tok/s | vs greedy | MAT | fwd/1k |" in md
+    rows = {ln.split("|")[1].strip(): ln.split("|") for ln in md.splitlines() if ln.startswith("| ")}
+    assert {"greedy", "suffix", "oracle"} <= set(rows)
+    assert rows["greedy"][3].strip() == "1.00x"
+    assert rows["oracle"][9].strip() == "1/1"  # token-identical to greedy
+    assert int(rows["oracle"][5]) <= int(rows["greedy"][5])  # fwd/1k
+    assert "## Targets" in md and "not run: no vLLM environment" in md and "not measured" in md
+    for png in ("speedup.png", "accepted_hist.png"):
+        assert (tmp_path / "report" / png).stat().st_size > 1000
+    assert (tmp_path / "report" / "report.json").exists()
