@@ -249,6 +249,9 @@ def warm_outputs(traces_dir: str) -> list[tuple[str, list[int]]]:
     return [(f"warm-{t.seq}", t.output) for t in traces if t.split in ("train", "")]
 
 
+SPEC_RAW_KEYS = ("tokens", "time", "forwards", "steps", "dec_tokens", "draft_s", "cache_steps")
+
+
 def bench_spec(args) -> str:
     """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s."""
     model, tok = load("default", "bfloat16")
@@ -310,7 +313,7 @@ def bench_spec(args) -> str:
     lines += ["", "Outputs identical to greedy (bf16; batch-shape rounding may flip near-ties): " +
               ", ".join(f"{m} {sum(v)}/{len(v)}" for m, v in identical.items() if m != "greedy"), ""]
     return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(
-        {f"{w}/{m}": v for (w, m), v in rows.items()}, indent=1) + "\n```\n</details>\n"
+        {f"{w}/{m}": {k: v[k] for k in SPEC_RAW_KEYS} for (w, m), v in rows.items()}, indent=1) + "\n```\n</details>\n"
 
 
 # ----------------------------------------------------------------------------------------- http

@@ -269,8 +269,11 @@ def build_report(args) -> str:
         try:
             vllm = run_vllm(args.vllm_python, prompts, args.max_tokens, args.threads,
                             str(args.eagle3_head or EAGLE3_ASSET))
-            vllm_note = f"vLLM {vllm.get('version')} (CPU), own interpreter `{args.vllm_python}`"
+            vllm_note = (f"vLLM {vllm.get('version')} (CPU), own interpreter `{args.vllm_python}`, bf16, batch 1; "
+                         "its methods run interleaved among themselves in one process after ours, on the same "
+                         "prompts (its ratios to our greedy cross two processes)")
             for m, r in vllm["methods"].items():
+                methods.append(m)
                 if "error" in r:
                     not_run[m] = r["error"]
                     continue
@@ -285,7 +288,6 @@ def build_report(args) -> str:
                     acc["identical"] += out == ref
                     acc["n"] += 1
                     runs.outputs[(w, pid, m)] = out
-                methods.append(m)
         except (NotRun, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
             vllm_note = f"not run: {e}"
             vllm = None

@@ -228,7 +228,8 @@ def run_vllm(python: str, prompts, max_tokens: int, threads: int, eagle3_head: s
                          timeout=timeout)
     Path(f.name).unlink(missing_ok=True)
     if res.returncode != 0:
-        raise NotRun(f"vLLM run failed (rc {res.returncode}): {res.stderr.strip().splitlines()[-1:] or ''}")
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise NotRun(f"vLLM run failed (rc {res.returncode}): {last}")
     out = json.loads(res.stdout.strip().splitlines()[-1])
     out["wall_s"] = time.perf_counter() - t0
     return out

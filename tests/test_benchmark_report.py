@@ -50,3 +50,18 @@ def test_report_end_to_end(tmp_path):
     for png in ("speedup.png", "accepted_hist.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000
     assert (tmp_path / "report" / "report.json").exists()
+
+
+def test_vllm_peer_without_vllm_is_not_run():
+    """An interpreter without vllm gives a NotRun with the reason, not a crash of the whole report."""
+    from report_methods import NotRun, run_vllm
+
+    with pytest.raises(NotRun, match="does not exist"):
+        run_vllm("/nonexistent/python", [("chat", "p", [1, 2, 3])], 4, 1, "head")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vllm is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(NotRun, match="vLLM run failed"):
+        run_vllm(sys.executable, [("chat", "p", [1, 2, 3])], 4, 1, "head")
