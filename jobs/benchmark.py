@@ -116,7 +116,7 @@ def run_interleaved(runners: dict[str, Runner], prompts, params: SamplingParams,
             runs.identical[m].append(out == ref_out)
             runs.outputs[(w, pid, m)] = out
             acc = runs.rows.setdefault((w, m), {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0,
-                                                "draft_s": 0.0, "cache_steps": 0, "slim_forwards": 0,
+                                                "draft_s": 0.0, "cache_steps": 0, "slim_forwards": 0, "decode_s": 0.0,
                                                 "prefix": 0.0, "identical": 0, "n": 0, "stats": stats is not None})
             acc["tokens"] += len(out)
             acc["time"] += dt
@@ -131,6 +131,7 @@ def run_interleaved(runners: dict[str, Runner], prompts, params: SamplingParams,
                 acc["steps"] += len(stats.steps)
                 acc["dec_tokens"] += sum(s.accepted + 1 for s in stats.steps)
                 acc["draft_s"] += st["draft_s"]
+                acc["decode_s"] += st["decode_s"]
                 runs.steps.setdefault(m, []).extend((s.source, s.accepted, s.predicted) for s in stats.steps)
         print(f"[{progress}{i + 1}/{len(prompts)}] {pid}", file=sys.stderr, flush=True)
     return runs
