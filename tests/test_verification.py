@@ -389,3 +389,27 @@ def test_the_check_catches_wrong_samplers(step):
     counts = first_two(step, seed=11)
     with pytest.raises(AssertionError):
         assert_matches_target(counts)
+
+
+def test_engine_device_walks_equal_greedy_walk():
+    """The engine's batched verify (``kernels.verify_tree`` on CUDA; its torch reference here) returns
+    what ``greedy_walk`` returns for every request of a padded batch of chains and trees."""
+    from hvd_ray.drafters.base import Draft
+    from hvd_ray.engine.engine import Engine
+    from hvd_ray.verification import greedy_walk
+
+    g = torch.Generator().manual_seed(11)
+    V, N = 7, 6
+    logits = torch.randn(5, N + 1, V, generator=g)
+    best = logits.argmax(-1).tolist()
+    drafts = [
+        Draft.chain([best[0][0], best[0][1], 3]),  # two accepted, then a (likely) miss
+        Draft.chain([]),  # nothing to verify: just the bonus token
+        Draft([best[2][0], (best[2][0] + 1) % V, best[2][1]], [-1, -1, 0], [1.0] * 3),  # tree
+        Draft.chain(best[3][:N]),  # all accepted
+        Draft([1, 2, 3, 4], [-1, 0, 0, 1], [1.0] * 4),
+    ]
+    got = Engine.device_walks(logits, drafts)
+    want = [greedy_walk(best[b], d.token_ids, d.parents) for b, d in enumerate(drafts)]
+    assert got == want
+    assert got[3] == (list(range(N)), best[3][N]) and got[1] == ([], best[1][0])

@@ -230,12 +230,16 @@ class Engine:
         out = self.model(toks, [r.slot for r in reqs], n_new=widths, depths=depths,
                          attn_mask=mask, taps=self.taps)
         logits = out.logits
-        best = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None  # one sync
+        walks = best = None
+        if logits.is_cuda and T > 1 and all(r.params.greedy for r in reqs):
+            walks = self.device_walks(logits, drafts)  # one Triton pass, no full argmax
+        elif any(r.params.greedy for r in reqs):
+            best = logits.argmax(-1).tolist()  # one sync
         results = []
         for b, (req, d) in enumerate(zip(reqs, drafts)):
             p = req.params
             if p.greedy:
-                path, nxt = greedy_walk(best[b], d.token_ids, d.parents)
+                path, nxt = walks[b] if walks is not None else greedy_walk(best[b], d.token_ids, d.parents)
             else:
                 probs = target_probs(logits[b, : widths[b]], p.temperature, p.top_k, p.top_p)
                 path, nxt = rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
@@ -253,6 +257,24 @@ class Engine:
         for r in reqs:
             r.stats.decode_s += dt
         return results
+
+    @staticmethod
+    def device_walks(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], int]]:
+        """Greedy verification of the whole batch on the logits' device with ``kernels.verify_tree``
+        (Triton on CUDA, its torch reference elsewhere): ``(accepted path, bonus token)`` per draft,
+        what ``greedy_walk`` returns, without materialising the argmax of every row."""
+        from kernels import verify_tree
+
+        B, N = logits.shape[0], logits.shape[1] - 1
+        toks = torch.zeros(B, N, dtype=torch.long)
+        pars = torch.full((B, N), -1, dtype=torch.long)
+        for b, d in enumerate(drafts):
+            toks[b, : len(d)] = torch.tensor(d.token_ids, dtype=torch.long)
+            pars[b, : len(d)] = torch.tensor(d.parents, dtype=torch.long)
+        path, plen, bonus = verify_tree(logits, toks.to(logits.device), pars.to(logits.device),
+                                        [len(d) for d in drafts])
+        path, plen, bonus = path.tolist(), plen.tolist(), bonus.tolist()
+        return [(path[b][: plen[b]], bonus[b]) for b in range(B)]
 
     def _observe(self, req: Request, next_tokens: list[int], taps: list[torch.Tensor], row: int, pos) -> None:
         """Hand each tap-reading drafter the target's hidden states at the committed positions."""
