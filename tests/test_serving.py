@@ -261,7 +261,7 @@ def test_metrics_are_exported(http):
 
     port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
     want = ["ray_hvd_requests_total", "ray_hvd_generated_tokens_total", "ray_hvd_time_to_first_token_seconds",
-            "ray_hvd_mean_accepted_tokens_per_forward", "ray_hvd_queue_length"]
+            "ray_hvd_mean_accepted_tokens_per_forward", "ray_hvd_queue_length", "ray_hvd_cache_chosen_rate"]
     deadline = time.monotonic() + 60
     while True:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
@@ -272,6 +272,8 @@ def test_metrics_are_exported(http):
     assert not missing, missing
     mat = [line for line in text.splitlines() if line.startswith("ray_hvd_mean_accepted_tokens_per_forward{")]
     assert mat and float(mat[0].rsplit(" ", 1)[1]) >= 1.0
+    rate = [line for line in text.splitlines() if line.startswith("ray_hvd_cache_chosen_rate{")]
+    assert rate and 0.0 < float(rate[0].rsplit(" ", 1)[1]) <= 1.0  # the suffix drafter drafted
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -500,7 +502,9 @@ def test_config_and_builder():
     from hvd_ray.serving import ServingConfig
 
     for bad in ({"tensor_parallel_size": 2}, {"drafter": "magic"}, {"max_tokens": 4096, "max_model_len": 2048},
-                {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, {"dtype": "int3"}):
+                {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, {"dtype": "int3"},
+                {"slim": "default", "slim_mode": "sometimes"}, {"policy": "coin-flip"},
+                {"model": "/some/other/model", "drafter": "hvd"}):
         with pytest.raises(ValidationError):
             ServingConfig.model_validate(bad)
     # what `serve run config.yaml` / `serve run serve_app:app k=v` do with the builder and its args

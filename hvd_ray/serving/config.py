@@ -34,6 +34,10 @@ class ServingConfig(BaseModel):
     policy: str = Field("cost", description="HVD selection policy: tau | cost | score | always-cache | always-model")
     model_drafter: str = Field("eagle3", description="HVD's model drafter: eagle3 | layerskip | draft-model | none")
     predictor: str | None = Field(None, description="HVD yield-predictor artifact folder (default: the shipped one)")
+    slim: str | None = Field(None, description="VIA-SD slim-verifier tier: 'default' (the shipped DIMR mask), a skip "
+                             "spec like attn:10-17,mlp:20, or a mask artifact; null = two tiers")
+    slim_mode: str = Field("lossless", pattern="^(lossless|tiered)$",
+                           description="lossless (the target verifies everything) | tiered (lossy VIA-SD)")
     suffix_actor: bool = Field(True, description="suffix trees live in a shared CPU actor (serving/suffix_actor.py) "
                                "instead of inside each replica")
     suffix_actor_name: str = Field("hvd-suffix-drafter", description="name of that actor (one per application)")
@@ -99,6 +103,8 @@ class ServingConfig(BaseModel):
                 self.model.lower() not in ALIASES and not self.eagle3_head:
             raise ValueError("the shipped EAGLE-3 head fits the default model only: set eagle3_head, or "
                              "model_drafter: layerskip, or drafter: suffix")
+        if self.tensor_parallel_size > 1 and self.slim:
+            raise ValueError("slim is not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.drafter == "hvd":
             raise ValueError("drafter 'hvd' is not supported with tensor_parallel_size > 1 (its cost policy reads "
                              "timings, which would differ between ranks)")

@@ -47,6 +47,10 @@ class _Metrics:
                                       boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30])
         self.mat = metrics.Gauge("hvd_mean_accepted_tokens_per_forward",
                                  "Mean tokens emitted per decoding target forward since the replica started.")
+        self.cache_rate = metrics.Gauge("hvd_cache_chosen_rate",
+                                        "Share of decode steps that verified a suffix-cache draft, since the replica started.")
+        self.slim = metrics.Counter("hvd_slim_tokens_total", "VIA-SD slim-tier outcomes per draft token.",
+                                    tag_keys=("outcome",))
         self.waiting = metrics.Gauge("hvd_queue_length", "Requests waiting for a KV-cache slot.")
         self.running = metrics.Gauge("hvd_running_requests", "Requests holding a KV-cache slot.")
 
@@ -72,6 +76,7 @@ class EngineLoop:
         # cumulative figures (read by stats(); written by the loop thread only)
         self.decode_tokens = 0
         self.decode_steps = 0
+        self.cache_steps = 0  # decode steps that verified a suffix-cache draft
         self.finished = 0
         self.aborted = 0
         self.steps = 0
@@ -102,6 +107,7 @@ class EngineLoop:
         return {"waiting": len(eng.waiting), "running": len(eng.running), "free_slots": len(eng.free_slots),
                 "steps": self.steps, "finished": self.finished, "aborted": self.aborted,
                 "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
+                "cache_chosen_rate": self.cache_steps / self.decode_steps if self.decode_steps else 0.0,
                 "healthy": self.error is None and self._thread.is_alive()}
 
     # ---- the loop thread
@@ -174,8 +180,14 @@ class EngineLoop:
                 n_steps = len(req.stats.steps)
                 self.decode_steps += n_steps
                 self.decode_tokens += sum(s.accepted + 1 for s in req.stats.steps)
+                self.cache_steps += sum(s.source.startswith("suffix") for s in req.stats.steps)
                 if self.metrics:
                     self.metrics.forwards.inc(summary["target_forwards"])
+                    if self.decode_steps:
+                        self.metrics.cache_rate.set(self.cache_steps / self.decode_steps)
+                    for outcome in ("accepted", "regenerated", "escalated"):
+                        if summary.get(f"slim_{outcome}"):
+                            self.metrics.slim.inc(summary[f"slim_{outcome}"], tags={"outcome": outcome})
                     if self.decode_steps:
                         self.metrics.mat.set(self.decode_tokens / self.decode_steps)
             if out.finish_reason == "abort":
@@ -217,8 +229,13 @@ class ModelReplica:
             self.model, self.tok = load(cfg.model, cfg.dtype, cfg.device)
             max_len = min(cfg.max_model_len, self.model.cfg.max_position)
             drafters, policy = self._drafters(cfg, max_len)
+            slim = None
+            if cfg.slim:
+                from ..verification.tiered import SlimTier, resolve_mask
+
+                slim = SlimTier(resolve_mask(cfg.slim, self.model.cfg.n_layers), cfg.slim_mode)
             eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
-            self.engine = Engine(self.model, drafters=drafters, policy=policy, max_batch=cfg.max_batch,
+            self.engine = Engine(self.model, drafters=drafters, policy=policy, slim=slim, max_batch=cfg.max_batch,
                                  max_len=max_len, num_draft_tokens=cfg.num_draft_tokens if drafters else 0,
                                  eos_token_ids=eos,
                                  detokenize=lambda t: self.tok.decode(t, skip_special_tokens=True))
@@ -267,7 +284,8 @@ class ModelReplica:
     def info(self) -> dict:
         return {"model": self.cfg.model_id, "max_model_len": self.engine.max_len,
                 "max_tokens": self.cfg.max_tokens, "drafter": self.cfg.drafter, "dtype": self.cfg.dtype,
-                "policy": self.cfg.policy if self.cfg.drafter == "hvd" else None}
+                "policy": self.cfg.policy if self.cfg.drafter == "hvd" else None,
+                "slim": self.cfg.slim, "slim_mode": self.cfg.slim_mode if self.cfg.slim else None}
 
     def stats(self) -> dict:
         """Engine-loop figures plus per-drafter state (live requests it tracks, actor wait time)."""
