@@ -51,6 +51,16 @@ class StepOutput:
     finish_reason: str | None
 
 
+def check_fits(prompt: Sequence[int], params: SamplingParams, num_draft_tokens: int, max_len: int) -> None:
+    """Reject a request that is empty or could outgrow its KV slot (prompt + output + one draft)."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if len(prompt) + params.max_tokens + num_draft_tokens + 1 > max_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"context this engine was set up for ({max_len} tokens)")
+
+
 class Engine:
     """Continuous batching over a fixed number of KV-cache slots with pluggable draft sources.
 
@@ -94,12 +104,7 @@ class Engine:
                     req_id: str | None = None) -> Request:
         params = params or SamplingParams()
         prompt = list(prompt)
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) + params.max_tokens + self.num_draft_tokens + 1 > self.max_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context this engine was set up for ({self.max_len} tokens)")
+        check_fits(prompt, params, self.num_draft_tokens, self.max_len)
         req = Request(req_id or f"req-{next(self._ids)}", prompt, params)
         if not params.greedy:
             req.generator = torch.Generator(device=self.model.device)

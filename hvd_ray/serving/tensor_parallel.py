@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import ray
 
-from ..engine.engine import StepOutput
+from ..engine.engine import StepOutput, check_fits
 from ..engine.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -246,12 +246,7 @@ class TensorParallelEngine:
         """Queue a request for every rank (sent with the next step); returns its local mirror."""
         params = params or SamplingParams()
         prompt = list(prompt)
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) + params.max_tokens + self.num_draft_tokens + 1 > self.max_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context this engine was set up for ({self.max_len} tokens)")
+        check_fits(prompt, params, self.num_draft_tokens, self.max_len)
         req_id = req_id or f"tp-req-{next(self._ids)}"
         if req_id in self._reqs:
             raise ValueError(f"request id {req_id!r} is already in use")
