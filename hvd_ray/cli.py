@@ -34,7 +34,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--draft-model", default=None, help="folder of the draft model (--drafter draft-model)")
     g.add_argument("--eagle3-head", default=None, help="folder of an EAGLE-3 head (--drafter eagle3)")
     g.add_argument("--slim", default=None, metavar="MASK",
-                   help="VIA-SD slim-verifier tier: 'default', a skip spec (attn:10-17,mlp:20) or a DIMR mask artifact")
+                   help="VIA-SD slim-verifier tier: 'default' (shipped DIMR mask), 'layerskip', a skip spec "
+                        "(attn:10-17,mlp:20) or a DIMR mask artifact folder")
     g.add_argument("--slim-mode", default="lossless", choices=["lossless", "tiered"],
                    help="with --slim: lossless (q verifies everything) or tiered (lossy, q' settles confident tokens)")
     g.add_argument("--json", action="store_true", help="print the stats line as JSON")

@@ -183,14 +183,14 @@ def test_lossless_is_token_identical_with_fewer_full_forwards(name, target, prom
     base = Engine(model, drafters=[make_drafter(name, model)], max_batch=4, max_len=1024, num_draft_tokens=6)
     two_tier = base.generate(prompts, params)
     engine = Engine(model, drafters=[make_drafter(name, model)], max_batch=4, max_len=1024, num_draft_tokens=6,
-                    slim=SlimTier("default", "lossless"))
+                    slim=SlimTier("layerskip", "lossless"))
     reqs = engine.generate(prompts, params)
     assert [r.output for r in reqs] == plain
     assert forwards(reqs) < forwards(two_tier)
     assert sum(r.stats.slim_forwards for r in reqs) > 0
     if name == "suffix":  # batch 1 on a few prompts
         engine = Engine(model, drafters=[make_drafter(name, model)], max_batch=1, max_len=1024, num_draft_tokens=6,
-                        slim=SlimTier("default", "lossless"))
+                        slim=SlimTier("layerskip", "lossless"))
         for ids, want in list(zip(prompts, plain))[::7]:
             assert engine.generate([ids], params)[0].output == want
 
@@ -200,7 +200,7 @@ def test_tiered_on_real_prompts_saves_full_forwards(target, prompts, plain):  # 
     model, _ = target
     params = SamplingParams(max_tokens=MAX_NEW)
     engine = Engine(model, drafters=[make_drafter("suffix", model)], max_batch=4, max_len=1024, num_draft_tokens=6,
-                    slim=SlimTier("default", "tiered"))
+                    slim=SlimTier("layerskip", "tiered"))
     reqs = engine.generate(prompts, params)
     steps = [s for r in reqs for s in r.stats.steps]
     assert any(not s.full_forward for s in steps)  # tokens were settled by q' alone
