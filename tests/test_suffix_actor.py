@@ -140,3 +140,51 @@ def test_killed_actor_degrades_to_no_drafts_then_resyncs(ray_local):
         assert remote.speculate("a", 8).token_ids == fresh.speculate("a", 8).token_ids
     finally:
         ray_local.kill(actor)
+
+
+@pytest.mark.slow
+def test_hvd_replica_drafts_through_the_actor_and_stays_greedy(ray_local, default_folder):
+    """The serving default (drafter hvd: suffix actor + shipped EAGLE-3 head, cost policy) returns
+    plain greedy text in fp32, having drafted from both sources through one replica."""
+    import asyncio
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from hvd_ray.engine import Engine, SamplingParams
+    from hvd_ray.model.transformer import Transformer
+    from hvd_ray.serving.replica import ModelReplica
+
+    tok = AutoTokenizer.from_pretrained(default_folder)
+    prompts = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+               'Call get_weather(city="Paris") and then get_weather(city="Rome"). Calls:']
+    ids = [tok(p)["input_ids"] for p in prompts]
+    ref = Engine(Transformer.from_pretrained(default_folder, dtype=torch.float32), max_batch=2, max_len=512,
+                 eos_token_ids=[tok.eos_token_id])
+    want = [tok.decode(r.output, skip_special_tokens=True) for r in ref.generate(ids, SamplingParams(max_tokens=40))]
+    del ref
+
+    config = {"model": "default", "dtype": "float32", "drafter": "hvd", "policy": "cost", "max_batch": 2,
+              "max_model_len": 512, "max_tokens": 64, "torch_threads": 2, "suffix_actor_name": "test-hvd-replica"}
+    replica = ModelReplica.func_or_class(config)
+    try:
+        async def one(prompt: str) -> tuple[str, dict]:
+            text, last = "", None
+            async for ev in replica.generate({"prompt": prompt, "params": {"max_tokens": 40, "temperature": 0.0}}):
+                assert ev["type"] != "error", ev
+                text += ev.get("text", "")
+                last = ev
+            return text, last
+
+        async def both():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        results = asyncio.run(both())
+        assert [t for t, _ in results] == want
+        stats = replica.stats()
+        assert stats["drafters"]["suffix"]["calls"] > 0 and stats["drafters"]["suffix"]["failures"] == 0
+        assert 0.0 < stats["cache_chosen_rate"] < 1.0 or stats["cache_chosen_rate"] == 1.0
+        assert sum(ev["stats"]["drafted"] for _, ev in results) > 0
+    finally:
+        replica.loop.shutdown()
+        ray_local.kill(ray_local.get_actor("test-hvd-replica", namespace="hvd_ray"))
