@@ -18,7 +18,8 @@ import torch
 
 from ..drafters.base import Draft, Drafter, DraftRequest
 from ..model.transformer import Transformer
-from ..verification import greedy_walk, rejection_sample_tree, target_probs, tree_attention_mask
+from ..verification import (greedy_walk, rejection_sample_chain, rejection_sample_tree, target_probs,
+                            tree_attention_mask)
 from ..verification.sampling import sample
 from ..verification.tiered import SlimStep, SlimTier
 from ..verification.tree import tree_depths
@@ -247,7 +248,11 @@ class Engine:
                 path, nxt = walks[b] if walks is not None else greedy_walk(best[b], d.token_ids, d.parents)
             else:
                 probs = target_probs(logits[b, : widths[b]], p.temperature, p.top_k, p.top_p)
-                path, nxt = rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
+                if probs.is_cuda and d.is_chain:  # kernels/rejection.py: one pass, one host sync
+                    n_acc, nxt = rejection_sample_chain(probs, d.token_ids, None, req.generator)
+                    path = list(range(n_acc))
+                else:
+                    path, nxt = rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
             keep = [0] + [i + 1 for i in path]
             self.model.cache.compact(req.slot, starts[b], keep)
             emitted = [d.token_ids[i] for i in path] + [nxt]
