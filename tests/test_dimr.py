@@ -164,7 +164,7 @@ def test_budget_measurement_is_sane(tiny):
     everything = [(i, k) for i in range(4) for k in ("attn", "mlp")]
     assert abs(c.kept_fraction(everything)) < 1e-9
     assert 0 < c.kept_fraction(SlimMask.parse("layer:1-2", 4)) < 1
-    assert c.block_total < c.full_s * 1.5  # blocks are part of the forward, not more than it (+ noise)
+    assert c.setting["none_s"] < c.full_s  # skipping every block is faster than the full forward
     r = measure_mask(tiny, SlimMask.parse("layer:1-3", 4), prefix=32, rounds=3, reps=3)
     assert r["mask_s"] < r["full_s"] and r["time_ratio"] < 1
 
