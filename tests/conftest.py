@@ -55,3 +55,46 @@ def default_folder() -> Path:
     from hvd_ray.model.registry import resolve
 
     return resolve("default")
+
+
+# ------------------------------------------------- real-model lossless references (test_speculative, test_tiered)
+MAX_NEW = 24
+MAX_PROMPT = 600
+
+
+@pytest.fixture(scope="session")
+def target(default_folder):
+    """The default model in fp32: the exactness reference for lossless tests."""
+    from hvd_ray.model import load
+
+    return load(str(default_folder), "float32")
+
+
+@pytest.fixture(scope="session")
+def prompts(target):
+    """>= 20 real held-out prompts: code, chat and function calling."""
+    from hvd_ray.workloads import load_workload, render
+
+    _, tok = target
+    out = []
+    for w in ("code", "chat", "function_calling"):
+        taken = 0
+        for p in load_workload(w, split="test"):
+            ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]
+            if len(ids) <= MAX_PROMPT:
+                out.append(ids)
+                taken += 1
+            if taken == 7:
+                break
+    assert len(out) >= 20
+    return out
+
+
+@pytest.fixture(scope="session")
+def plain(target, prompts):
+    """Plain greedy outputs of the same engine (batch 4)."""
+    from hvd_ray.engine import Engine, SamplingParams
+
+    model, _ = target
+    reqs = Engine(model, max_batch=4, max_len=1024).generate(prompts, SamplingParams(max_tokens=MAX_NEW))
+    return [r.output for r in reqs]

@@ -16,41 +16,11 @@ from hvd_ray.drafters.layerskip import LayerSkipDrafter
 from hvd_ray.drafters.model_drafter import draft_model_drafter
 from hvd_ray.drafters.suffix import SuffixDrafter
 from hvd_ray.engine import Engine, SamplingParams
-from hvd_ray.model import load
 from hvd_ray.model.transformer import Transformer
-from hvd_ray.workloads import load_workload, render
 
-MAX_NEW = 24
-MAX_PROMPT = 600
-
-
-@pytest.fixture(scope="module")
-def target(default_folder):
-    return load(str(default_folder), "float32")
-
-
-@pytest.fixture(scope="module")
-def prompts(target):
-    _, tok = target
-    out = []
-    for w in ("code", "chat", "function_calling"):
-        taken = 0
-        for p in load_workload(w, split="test"):
-            ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]
-            if len(ids) <= MAX_PROMPT:
-                out.append(ids)
-                taken += 1
-            if taken == 7:
-                break
-    assert len(out) >= 20
-    return out
-
-
-@pytest.fixture(scope="module")
-def plain(target, prompts):
-    model, _ = target
-    reqs = Engine(model, max_batch=4, max_len=1024).generate(prompts, SamplingParams(max_tokens=MAX_NEW))
-    return [r.output for r in reqs]
+# real-model fixtures (``target``, ``prompts``, ``plain``) and MAX_NEW live in conftest.py (session
+# scope: test_tiered.py checks the slim tier against the same plain greedy outputs)
+from conftest import MAX_NEW  # noqa: E402,F401
 
 
 def drafter_for(name, model, tmp_path_factory):
