@@ -307,6 +307,9 @@ def build_report(args) -> str:
             except Exception as e:  # noqa: BLE001 - the report says why the HTTP cells are missing
                 md = f"not run: {type(e).__name__}: {e}\n"
             http_md.append((drafter, md.split("<details>")[0]))
+        if all(not md.startswith("not run") for _, md in http_md):  # S1's HTTP table, same run
+            (Path(args.out_dir or ROOT / "benchmarks") / "http.md").write_text(
+                "\n".join(f"<!-- server drafter: {d} -->\n{md}" for d, md in http_md))
 
     cells = {f"{w}/{m}": cell(rows[(w, m)], rows.get((w, "greedy"))) for w in workloads for m in methods
              if (w, m) in rows}
