@@ -255,3 +255,32 @@ def test_policies_drive_the_engine_losslessly(which):
         steps = [st for r in reqs for st in r.stats.steps]
         assert all(st.predicted > 1.0 for st in steps if st.source.startswith("suffix"))
         assert all(st.predicted <= 1.0 for st in steps if st.source == "layerskip")
+
+
+def test_cost_policy_learns_the_model_side_and_ignores_one_off_outliers():
+    """Online calibration: the model drafter's measured acceptance and drafting time move the
+    estimates; a single huge drafting time (the first draft's prompt catch-up) is clipped."""
+    from hvd_ray.engine.request import StepRecord
+    from hvd_ray.selection.policy import CostPolicy
+
+    class _Model:
+        name, depth = "eagle3", 5
+
+    class _Pred:
+        meta = {}
+
+        def predict(self, phi):
+            return 0.0
+
+    pol = CostPolicy(_Pred(), model=_Model(), model_token_cost=0.1, model_accept=2.0, adapt=0.2)
+    fwd = 0.010
+    pol.learn(StepRecord("eagle3", 3, 1, draft_s=0.5, verify_s=fwd * 1.05))  # catch-up: 50 forwards
+    assert pol.model_draft_cost < 0.3 * 3  # clipped to a few times the prior, not 50
+    for _ in range(60):
+        pol.learn(StepRecord("eagle3", 2, 0, draft_s=0.002, verify_s=fwd * 1.03))
+        pol.learn(StepRecord("suffix-request", 8, 5, draft_s=0.0001, verify_s=fwd * 1.2))
+    assert pol.model_accept < 0.1 and abs(pol.model_len_seen - 2) < 0.1
+    assert 0.1 < pol.model_draft_cost < 0.3  # ~0.2 forwards per draft
+    fixed = CostPolicy(_Pred(), model=_Model(), model_accept=2.0, adapt=0.0)
+    fixed.learn(StepRecord("eagle3", 3, 0, draft_s=0.5, verify_s=fwd))
+    assert fixed.model_accept == 2.0 and fixed.model_draft_cost is None

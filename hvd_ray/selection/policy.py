@@ -223,7 +223,14 @@ class CostPolicy(Policy):
             self.model_accept = ema(self.model_accept, float(rec.accepted))
             self.model_len_seen = ema(self.model_len_seen, float(rec.drafted))
             if self.forward_s:
-                self.model_draft_cost = ema(self.model_draft_cost, rec.draft_s / self.forward_s)
+                # Start from the prior and clip outliers: the first model draft of a request also
+                # runs the head over the whole prompt (EAGLE-3's lazy catch-up); taken at face value
+                # that one step would price the model drafter out for good, and it would never be
+                # tried (and re-measured) again.
+                cur = self.model_draft_cost
+                if cur is None:
+                    cur = max(1.0, self.model_len_seen) * self.model_token_cost
+                self.model_draft_cost = ema(cur, min(rec.draft_s / self.forward_s, 3.0 * cur))
 
     def __call__(self, req, engine):
         if req.stats.steps:  # each record is seen once: the request's previous step
