@@ -98,3 +98,33 @@ def plain(target, prompts):
     model, _ = target
     reqs = Engine(model, max_batch=4, max_len=1024).generate(prompts, SamplingParams(max_tokens=MAX_NEW))
     return [r.output for r in reqs]
+
+
+# ------------------------------------------------------------ sampling checks (test_speculative, test_tiered)
+def second_token_marginal(model, prompt: list[int], temperature: float = 1.0):
+    """Exact marginal of the 2nd sampled token: sum_a p(a | prompt) p(b | prompt, a)."""
+    V = model.cfg.vocab_size
+    with torch.no_grad():
+        model.cache.truncate(0, 0)
+        p1 = model(torch.tensor([prompt]), [0]).logits[0, -1].div(temperature).softmax(-1)
+        exact = torch.zeros(V)
+        for a in range(V):
+            model.cache.truncate(0, 0)
+            exact += p1[a] * model(torch.tensor([prompt + [a]]), [0]).logits[0, -1].div(temperature).softmax(-1)
+    return exact
+
+
+def second_token_pvalue(reqs, exact) -> tuple[float, list[int]]:
+    """Chi-square p-value of the requests' 2nd output tokens against ``exact`` (bins with < 5
+    expected draws pooled), and the observed counts."""
+    import collections
+
+    from scipy.stats import chisquare
+
+    n, V = len(reqs), len(exact)
+    counts = collections.Counter(r.output[1] for r in reqs)
+    obs = [counts.get(v, 0) for v in range(V)]
+    exp = (exact * n).tolist()
+    keep = [i for i, e in enumerate(exp) if e >= 5]
+    other_o, other_e = n - sum(obs[i] for i in keep), n - sum(exp[i] for i in keep)
+    return chisquare([obs[i] for i in keep] + [other_o], [exp[i] for i in keep] + [other_e]).pvalue, obs

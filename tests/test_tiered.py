@@ -4,11 +4,9 @@ distribution; the tiered mode keeps the full model's KV cache exact across slim-
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from hvd_ray.drafters import make_drafter
 from hvd_ray.drafters.layerskip import LayerSkipDrafter
@@ -140,19 +138,13 @@ def test_lossless_sampling_preserves_the_distribution(tiny, tmp_path):
     target marginal; a tiered engine takes the same path for sampled requests."""
     # (the slow, loaded CI box: 1,500 draws keep this test short; 12 bins still detect a wrong
     # proposal probability, which shifts mass to the repaired tokens by tens of percent)
-    from conftest import make_tiny
+    from conftest import make_tiny, second_token_marginal, second_token_pvalue
 
     folder = make_tiny("llama", tmp_path / "m", vocab_size=12, seed=5)
     model = Transformer.from_pretrained(folder, dtype=torch.float32)
     model.setup_cache(8, 64)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    with torch.no_grad():
-        model.cache.truncate(0, 0)
-        p1 = model(torch.tensor([prompt]), [0]).logits[0, -1].softmax(-1)
-        exact = torch.zeros(12)
-        for a in range(12):
-            model.cache.truncate(0, 0)
-            exact += p1[a] * model(torch.tensor([prompt + [a]]), [0]).logits[0, -1].softmax(-1)
+    exact = second_token_marginal(model, prompt)
     n = 1500
     for mode in ("lossless",):
         engine = Engine(model, drafters=[SuffixDrafter()], max_batch=16, max_len=64, num_draft_tokens=4,
@@ -160,13 +152,8 @@ def test_lossless_sampling_preserves_the_distribution(tiny, tmp_path):
         reqs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
                                               for s in range(n)])
         assert sum(s.accepted for r in reqs for s in r.stats.steps) > 100  # repaired drafts were accepted
-        counts = collections.Counter(r.output[1] for r in reqs)
-        obs = [counts.get(v, 0) for v in range(12)]
-        exp = (exact * n).tolist()
-        keep = [i for i, e in enumerate(exp) if e >= 5]
-        other_o, other_e = sum(obs) - sum(obs[i] for i in keep), n - sum(exp[i] for i in keep)
-        stat = chisquare([obs[i] for i in keep] + [other_o], [exp[i] for i in keep] + [other_e])
-        assert stat.pvalue > 1e-3, (mode, obs, exp)
+        pvalue, obs = second_token_pvalue(reqs, exact)
+        assert pvalue > 1e-3, (mode, obs, (exact * n).tolist())
     # a tiered engine sends sampled requests down the same (lossless) path: q verifies every step
     engine = Engine(model, drafters=[SuffixDrafter()], max_batch=4, max_len=64, num_draft_tokens=4,
                     slim=SlimTier([(1, "attn"), (2, "mlp")], "tiered", EVERYTHING))

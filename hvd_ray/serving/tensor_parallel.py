@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import ray
 
-from ..engine.engine import StepOutput, check_fits
+from ..engine.engine import Engine, StepOutput, check_fits
 from ..engine.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -298,14 +298,7 @@ class TensorParallelEngine:
         self.free_slots = deque(res["free_slots"])
         return res["outs"]
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[Request]:
-        """Run ``prompts`` to completion and return the (mirrored) requests, like ``Engine.generate``."""
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        while self.has_unfinished():
-            self.step()
-        return reqs
+    generate = Engine.generate  # add_request / has_unfinished / step: the same loop, on the facade
 
     def logits(self, tokens: Sequence[int]):
         """Rank 0's logits [T, V] (fp32, CPU) for ``tokens`` scored as a fresh sequence."""
