@@ -11,7 +11,7 @@ Modes:
     python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
     python jobs/benchmark.py spec [--quick] [--warm-traces DIR]
-    python jobs/benchmark.py http [--quick] [--serve-drafter hvd]
+    python jobs/benchmark.py http [--quick] [--servers none hvd:mirror hvd:remote]
 """
 
 from __future__ import annotations
@@ -229,7 +229,8 @@ def bench_engine(args) -> str:
 # ----------------------------------------------------------------------------------------- spec
 def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object]:
     """(drafters, policy) for a method name: a drafter ("suffix", "layerskip", "eagle3", with "-tree"
-    for tree drafts) or "hvd-<policy>" (suffix + model drafter + selection policy)."""
+    for tree drafts; the suffix drafter also takes "-f<max_spec_factor>") or "hvd-<policy>" (suffix +
+    model drafter + selection policy)."""
     from hvd_ray.drafters import make_drafter
 
     if name.startswith("hvd-"):
@@ -237,6 +238,12 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object
 
         return build_hvd(model, tok, policy=name[4:], predictor=args.predictor, model_drafter=args.model_drafter,
                          eagle3_head=args.eagle3_head, slots=1, max_len=max_len)
+    if name.startswith("suffix"):  # suffix[-tree][-f<max_spec_factor>], e.g. suffix-tree-f2
+        from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter
+
+        parts = name.split("-")[1:]
+        factor = next((float(p[1:]) for p in parts if p.startswith("f")), SuffixConfig.max_spec_factor)
+        return [SuffixDrafter(SuffixConfig(use_tree_spec="tree" in parts, max_spec_factor=factor))], None
     base, tree = (name[:-5], True) if name.endswith("-tree") else (name, False)
     return [make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len, tree=tree)], None
 
@@ -330,9 +337,12 @@ def bench_http(args) -> str:
     tok = AutoTokenizer.from_pretrained(resolve("default"))
     n_per = 2 if args.quick else 4
     prompts = [ids for _, _, ids in prompt_ids(tok, ("function_calling", "code", "code_edit", "chat"), n_per, 1024)]
-    config = {"model": "default", "dtype": "bfloat16", "drafter": args.serve_drafter, "max_batch": 8,
+    drafter, _, mode = args.serve_drafter.partition(":")
+    mode = mode or "mirror"
+    config = {"model": "default", "dtype": "bfloat16", "drafter": drafter, "max_batch": 8,
               "max_model_len": 2048, "max_tokens": 1024, "torch_threads": args.threads, "num_replicas": 1,
-              "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1}}
+              "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1},
+              "suffix_actor_mode": mode}
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     import socket
@@ -400,14 +410,16 @@ def bench_http(args) -> str:
         "",
         f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`  ",
         f"Machine: {machine_line()}  ",
-        f"Server: one replica, SmolLM2-135M-Instruct bf16, drafter `{args.serve_drafter}`"
-        + (" (suffix cache in the shared drafter actor + shipped EAGLE-3 head, cost policy)" if args.serve_drafter == "hvd" else "")
+        f"Server: one replica, SmolLM2-135M-Instruct bf16, drafter `{drafter}`"
+        + (f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
+           + (" + shipped EAGLE-3 head, cost policy)" if drafter == "hvd" else ")") if drafter in ("hvd", "suffix") else "")
         + f", max_batch 8, {args.threads} torch threads; greedy, up to {args.max_tokens} new tokens; "
         f"{len(prompts)} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
         "(`/v1/completions`, SSE). Concurrency 8 sends every prompt twice.",
         "",
         "Latency = request start to `[DONE]`; TTFT = request start to the first text chunk; "
-        "actor wait = time the engine loop spent blocked on the suffix-drafter actor / time inside engine steps.",
+        "actor wait = time the engine loop spent on suffix-drafter actor calls (blocked on them in `remote` mode; "
+        "submitting and polling background calls in `mirror` mode) / time inside engine steps.",
         "",
         "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -415,6 +427,27 @@ def bench_http(args) -> str:
         "",
     ]
     return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n</details>\n"
+
+
+def bench_http_servers(args) -> list[tuple[str, str]]:
+    """``bench_http`` once per server in ``args.servers`` (``drafter[:suffix_actor_mode]``); writes
+    benchmarks/http.md (or ``--out``) when every server ran. Returns (server, markdown) pairs."""
+    import argparse as _argparse
+
+    out = []
+    for server in args.servers:
+        a = _argparse.Namespace(**vars(args))
+        a.serve_drafter = server
+        try:
+            md = bench_http(a)
+        except Exception as e:  # noqa: BLE001 - the report says why the HTTP cells are missing
+            md = f"not run: {type(e).__name__}: {e}\n"
+        out.append((server, md))
+    if all(not md.startswith("not run") for _, md in out):
+        dest = Path(getattr(args, "http_out", None) or ROOT / "benchmarks" / "http.md")
+        dest.write_text("\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
+        print(f"wrote {dest}", file=sys.stderr)
+    return out
 
 
 def main() -> None:
@@ -428,7 +461,8 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=16)
     ap.add_argument("--warm-traces", default=None,
                     help="spec: seed suffix drafters' global trees with the train-split outputs in this trace folder")
-    ap.add_argument("--serve-drafter", default="hvd", help="http: the server's drafter (hvd, suffix, none, ...)")
+    ap.add_argument("--servers", nargs="+", default=["none", "hvd:mirror", "hvd:remote"],
+                    help="http: servers to run, drafter[:suffix_actor_mode] (hvd, suffix, none, ...; mirror | remote)")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
     ap.add_argument("--threads", type=int, default=2)
@@ -446,7 +480,10 @@ def main() -> None:
     args.workloads = args.workloads or list(WORKLOADS)
     args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
     args.reps = args.reps or (2 if args.quick else 3)
-    report = {"engine": bench_engine, "spec": bench_spec, "http": bench_http}[args.mode](args)
+    if args.mode == "http":
+        bench_http_servers(args)
+        return
+    report = {"engine": bench_engine, "spec": bench_spec}[args.mode](args)
     out = Path(args.out or ROOT / "benchmarks" / f"{args.mode}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)

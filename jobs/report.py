@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmark import ROOT, bench_http, machine_line, prefix_agreement, prompt_ids, run_interleaved
+from benchmark import ROOT, bench_http_servers, machine_line, prefix_agreement, prompt_ids, run_interleaved
 from report_methods import NotRun, engine_method_runner, hf_runner, make_engine_method, run_vllm
 
 # workload -> prompt token budget (BFCL multi-turn first turns carry 4-5k tokens of function docs)
@@ -299,17 +299,8 @@ def build_report(args) -> str:
 
     http_md = []
     if (args.http or not args.quick) and not args.no_http:
-        for drafter in ("none", "hvd"):
-            a = argparse.Namespace(**vars(args))
-            a.serve_drafter = drafter
-            try:
-                md = bench_http(a)
-            except Exception as e:  # noqa: BLE001 - the report says why the HTTP cells are missing
-                md = f"not run: {type(e).__name__}: {e}\n"
-            http_md.append((drafter, md.split("<details>")[0]))
-        if all(not md.startswith("not run") for _, md in http_md):  # S1's HTTP table, same run
-            (Path(args.out_dir or ROOT / "benchmarks") / "http.md").write_text(
-                "\n".join(f"<!-- server drafter: {d} -->\n{md}" for d, md in http_md))
+        args.http_out = Path(args.out_dir or ROOT / "benchmarks") / "http.md"  # S1's HTTP table, same run
+        http_md = [(server, md.split("<details>")[0]) for server, md in bench_http_servers(args)]
 
     cells = {f"{w}/{m}": cell(rows[(w, m)], rows.get((w, "greedy"))) for w in workloads for m in methods
              if (w, m) in rows}
@@ -383,11 +374,12 @@ def build_report(args) -> str:
         L.append("No code / function-calling prompt with ground truth in this run.")
     L += ["", "## Concurrency 8 (HTTP server)", ""]
     if http_md:
-        L.append("The Ray Serve app over HTTP (`python jobs/benchmark.py http`), run once per server drafter.")
+        L.append("The Ray Serve app over HTTP (`python jobs/benchmark.py http`), run once per server "
+                 "(drafter, and for the suffix cache `suffix_actor_mode`).")
         for drafter, md in http_md:
             server = [ln for ln in md.splitlines() if ln.startswith("Server:")]
             table = [ln for ln in md.splitlines() if ln.startswith("|")]
-            L += ["", f"### server drafter `{drafter}`", "", *server, "", *(table or [md.strip()])]
+            L += ["", f"### server `{drafter}`", "", *server, "", *(table or [md.strip()])]
     else:
         L.append("not run (`--quick` without `--http`).")
     L += ["", "## Targets", "", *targets(rows, vllm, workloads), "",

@@ -3,6 +3,7 @@
 The proxy must draft exactly what an in-process ``SuffixDrafter`` drafts on the same token streams
 (one round trip per step), share the global tree between clients (replicas), and survive the actor
 being killed: empty drafts while it is down, then a resync of the live requests once Ray restarts it.
+The mirror proxy drafts locally and shares finished outputs through the actor in the background.
 """
 
 from __future__ import annotations
@@ -142,6 +143,72 @@ def test_killed_actor_degrades_to_no_drafts_then_resyncs(ray_local):
         ray_local.kill(actor)
 
 
+def _sync_until(drafter, done, timeout: float = 60.0) -> None:
+    """Let a mirror's background calls land (the test waits; the engine never does)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, drafter.stats()
+        drafter.sync(timeout=0.2)
+        drafter._last_pull = -float("inf")  # pull again right away
+
+
+def test_mirror_drafts_locally_and_shares_outputs_through_the_actor(ray_local):
+    """Mirror mode: drafts equal an in-process drafter's (they are one), a finished output reaches
+    another replica's global tree through the actor, and only outputs (not prompts) are shared."""
+    from hvd_ray.serving.suffix_actor import MirroredSuffixDrafter, service_actor
+
+    actor = service_actor("test-suffix-mirror")
+    try:
+        a, b = MirroredSuffixDrafter(actor), MirroredSuffixDrafter(actor)
+        streams = _streams(4, seed=3)
+        assert _run(a, streams, "r") == _run(SuffixDrafter(), streams, "r")
+        assert a.live_requests() == 0 and a.published == 4
+        _sync_until(a, lambda: not a._publishing)
+        assert a.failures == 0 and ray_local.get(actor.stats.remote())["published"] == 4
+
+        _sync_until(b, lambda: b.received == 4)
+        assert len(b.cached_requests) == 4 and b.global_tree.num_tokens == sum(len(o) for _, o in streams)
+        prompt, output = streams[0]
+        b.begin("x", output[:6], 0)
+        d = b.speculate("x", 8)
+        assert d.source == "suffix-global" and len(d) > 0 and d.token_ids == output[6:6 + len(d)]
+        _sync_until(a, lambda: a._pulling is None and a._cursor == 4)
+        assert a.received == 0  # a client never pulls its own outputs back
+    finally:
+        ray_local.kill(actor)
+
+
+def test_mirror_keeps_drafting_while_the_actor_restarts(ray_local):
+    """Killing the actor costs a mirror only the sharing: drafts go on from the local trees, the
+    failed calls are counted, and publishing works again on the restarted actor."""
+    from hvd_ray.serving.suffix_actor import MirroredSuffixDrafter, service_actor
+
+    actor = service_actor("test-suffix-mirror-kill")
+    try:
+        m = MirroredSuffixDrafter(actor)
+        (prompt, output), = _streams(1, seed=4)
+        first = ray_local.get(actor.stats.remote())["incarnation"]
+        ray_local.kill(actor, no_restart=False)
+        m.begin("a", prompt + output[:10], 0)
+        want = SuffixDrafter()
+        want.begin("a", prompt + output[:10])
+        assert m.speculate("a", 8).token_ids == want.speculate("a", 8).token_ids != []
+        m.end("a")  # publishes to a dead or restarting actor: must not raise
+        _sync_until(m, lambda: not m._publishing)
+        deadline = time.monotonic() + 60
+        while _retrying(ray_local, lambda: actor.stats.remote())["incarnation"] == first:
+            assert time.monotonic() < deadline, "Ray did not restart the actor"
+            time.sleep(0.2)
+        m.begin("b", prompt, 0)
+        m.accept("b", output[:5])
+        m.end("b")
+        _sync_until(m, lambda: not m._publishing)
+        assert _retrying(ray_local, lambda: actor.stats.remote())["published"] >= 1  # sharing resumed
+        assert m.live_requests() == 0
+    finally:
+        ray_local.kill(actor)
+
+
 @pytest.mark.slow
 def test_hvd_replica_drafts_through_the_actor_and_stays_greedy(ray_local, default_folder):
     """The serving default (drafter hvd: suffix actor + shipped EAGLE-3 head, cost policy) returns
@@ -165,7 +232,8 @@ def test_hvd_replica_drafts_through_the_actor_and_stays_greedy(ray_local, defaul
     del ref
 
     config = {"model": "default", "dtype": "float32", "drafter": "hvd", "policy": "cost", "max_batch": 2,
-              "max_model_len": 512, "max_tokens": 64, "torch_threads": 2, "suffix_actor_name": "test-hvd-replica"}
+              "max_model_len": 512, "max_tokens": 64, "torch_threads": 2, "suffix_actor_name": "test-hvd-replica",
+              "suffix_actor_mode": "remote"}  # the HTTP tests (tests/test_serving.py) run the default, mirror
     replica = ModelReplica.func_or_class(config)
     try:
         async def one(prompt: str) -> tuple[str, dict]:

@@ -624,6 +624,9 @@ class Eagle3Drafter:
         # Everything the head needs arrives through observe_target (tokens paired with taps).
         self._state(req_id)
 
+    def live_requests(self) -> int:
+        return len(self._reqs)
+
     def end(self, req_id: str) -> None:
         st = self._reqs.pop(req_id, None)
         if st is not None and self.head.cache is not None:

@@ -608,6 +608,16 @@ class SuffixDrafter:
         del self._cached[req_id]
         self.global_tree.remove(req_id)
 
+    def is_live(self, req_id: Hashable) -> bool:
+        return req_id in self._req
+
+    def live_ids(self) -> list[Hashable]:
+        return list(self._req)
+
+    def live_requests(self) -> int:
+        """Requests begun and not yet ended (serving checks that none leak)."""
+        return len(self._req)
+
     @property
     def cached_requests(self) -> list[Hashable]:
         return list(self._cached)

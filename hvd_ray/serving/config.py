@@ -40,6 +40,10 @@ class ServingConfig(BaseModel):
                            description="lossless (the target verifies everything) | tiered (lossy VIA-SD)")
     suffix_actor: bool = Field(True, description="suffix trees live in a shared CPU actor (serving/suffix_actor.py) "
                                "instead of inside each replica")
+    suffix_actor_mode: str = Field("mirror", pattern="^(mirror|remote)$",
+                                   description="mirror: draft from local trees, exchange finished outputs with the "
+                                   "actor in the background | remote: the actor holds the request trees and "
+                                   "drafts for the whole batch once per step")
     suffix_actor_name: str = Field("hvd-suffix-drafter", description="name of that actor (one per application)")
 
     # --- engine limits

@@ -141,7 +141,7 @@ class EngineLoop:
         while not self._stop:
             self._drain()
             if not self.engine.has_unfinished():
-                for d in getattr(self.engine, "drafters", ()):  # e.g. ship buffered `end`s to the suffix actor
+                for d in getattr(self.engine, "drafters", ()):  # e.g. sync with the suffix actor
                     if hasattr(d, "flush"):
                         d.flush()
                 self._publish_queue()
@@ -255,9 +255,10 @@ class ModelReplica:
 
         cache = None
         if cfg.suffix_actor and cfg.drafter in ("suffix", "hvd"):
-            from .suffix_actor import RemoteSuffixDrafter, service_actor
+            from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
 
-            cache = RemoteSuffixDrafter(service_actor(cfg.suffix_actor_name))
+            actor = service_actor(cfg.suffix_actor_name)
+            cache = MirroredSuffixDrafter(actor) if cfg.suffix_actor_mode == "mirror" else RemoteSuffixDrafter(actor)
         if cfg.drafter == "hvd":
             from ..selection.hvd import build_hvd
 
@@ -292,8 +293,7 @@ class ModelReplica:
         out = self.loop.stats()
         drafters = getattr(self.engine, "drafters", [])
         out["drafters"] = {d.name: (d.stats() if hasattr(d, "stats") else {}) for d in drafters}
-        out["live_drafter_requests"] = sum(len(getattr(d, "_ctx", getattr(d, "_req", getattr(d, "_reqs", {}))))
-                                           for d in drafters)
+        out["live_drafter_requests"] = sum(d.live_requests() for d in drafters if hasattr(d, "live_requests"))
         out["decode_s"] = self.loop.decode_s
         return out
 

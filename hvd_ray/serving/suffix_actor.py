@@ -1,8 +1,17 @@
-"""Suffix-tree drafting in a separate CPU actor, shared by every model replica.
+"""Suffix-tree drafting shared by every model replica through one CPU actor.
 
-The actor (:class:`SuffixDrafterService`) owns the request trees of all live requests and the global
-tree of past outputs, so what one replica generated helps every other replica's drafts. A replica
-talks to it through :class:`RemoteSuffixDrafter`, which speaks the engine's ``Drafter`` protocol:
+The actor (:class:`SuffixDrafterService`) holds the global history of past outputs, so what one
+replica generated helps every other replica's drafts. A replica reaches it in one of two modes
+(``ServingConfig.suffix_actor_mode``):
+
+``mirror`` (the default): :class:`MirroredSuffixDrafter` drafts from local trees (its requests' trees
+and a local copy of the global tree). Finished outputs are published to the actor and other
+replicas' outputs pulled from it in the background (``.remote()`` calls polled with
+``ray.wait(timeout=0)``), so a decoding step never blocks on the actor. If the actor dies, drafting
+goes on from the local trees; publishing resumes once Ray restarts it.
+
+``remote``: :class:`RemoteSuffixDrafter`; the actor owns the request trees too, and the replica asks
+it for the whole batch's drafts once per step:
 
 * one actor call per engine step for the whole batch: ``begin``/``accept``/``end`` are buffered
   locally and shipped with the step's draft requests (``prepare`` / ``propose``);
@@ -12,7 +21,8 @@ talks to it through :class:`RemoteSuffixDrafter`, which speaks the engine's ``Dr
   model drafter (an HVD policy picks it when the cache has nothing) or plain decoding: drafts only
   change speed, never output, so no request fails. The global history is lost with the actor.
 
-``wait_s`` / ``calls`` measure the time the replica spends blocked on the actor (benchmarks/http.md).
+In both modes ``wait_s`` / ``calls`` measure the time the replica's engine loop spends on the actor
+(blocked, or submitting and polling calls), which benchmarks/http.md reports as a share of step time.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from typing import Hashable, Sequence
 
 import ray
@@ -39,6 +50,25 @@ class SuffixDrafterService:
     def __init__(self, config: dict | None = None) -> None:
         self.drafter = SuffixDrafter(SuffixConfig(**(config or {})))
         self.incarnation = uuid.uuid4().hex  # changes when Ray restarts the actor
+        # the shared history mirrors pull: (sequence number, publishing client, output tokens)
+        self.log: deque[tuple[int, str, list[int]]] = deque(maxlen=max(1, self.drafter.config.max_cached_requests))
+        self.published = 0
+
+    def publish(self, client: str, tokens: list[int]) -> int:
+        """A finished request's output, from a mirroring replica: into the history log, and into
+        this actor's global tree (so ``remote``-mode clients draft from it too)."""
+        seq = self.published
+        self.published += 1
+        self.log.append((seq, client, list(tokens)))
+        self.drafter.add_to_global(("published", seq), tokens)
+        return seq
+
+    def pull(self, client: str, cursor: int, incarnation: str | None) -> tuple[str, int, list[list[int]]]:
+        """Outputs other clients published since ``cursor`` (from the start if this actor is not the
+        incarnation the client last saw), and the cursor to ask from next time."""
+        if incarnation != self.incarnation:
+            cursor = 0
+        return self.incarnation, self.published, [t for seq, c, t in self.log if seq >= cursor and c != client]
 
     def step(self, client: str, ops: list[tuple], asks: list[tuple[str, int]]) -> tuple[str, list]:
         """Apply buffered ``ops`` (("begin", rid, tokens) | ("accept", rid, tokens) | ("end", rid)),
@@ -47,10 +77,10 @@ class SuffixDrafterService:
         for op in ops:
             key = (client, op[1])
             if op[0] == "begin":
-                if key in d._req:
+                if d.is_live(key):
                     d.end(key)
                 d.begin(key, op[2])
-            elif key not in d._req:
+            elif not d.is_live(key):
                 continue
             elif op[0] == "accept":
                 d.accept(key, op[2])
@@ -59,7 +89,7 @@ class SuffixDrafterService:
         out = []
         for rid, budget in asks:
             key = (client, rid)
-            if key not in d._req:
+            if not d.is_live(key):
                 out.append(_UNKNOWN)
                 continue
             dr = d.speculate(key, budget)
@@ -69,7 +99,7 @@ class SuffixDrafterService:
     def resync(self, client: str, live: dict[str, list[int]]) -> str:
         """Forget ``client``'s requests and start its live ones again from their full context."""
         d = self.drafter
-        for key in [k for k in d._req if k[0] == client]:
+        for key in [k for k in d.live_ids() if k[0] == client]:
             d.end(key)
         for rid, tokens in live.items():
             d.begin((client, rid), tokens)
@@ -77,11 +107,12 @@ class SuffixDrafterService:
 
     def stats(self) -> dict:
         d = self.drafter
-        return {"requests": len(d._req), "cached_requests": len(d.cached_requests),
-                "global_tokens": d.global_tree.num_tokens, "incarnation": self.incarnation}
+        return {"requests": d.live_requests(), "cached_requests": len(d.cached_requests),
+                "global_tokens": d.global_tree.num_tokens, "published": self.published,
+                "incarnation": self.incarnation}
 
     def request_ids(self, client: str) -> list[str]:
-        return [k[1] for k in self.drafter._req if k[0] == client]
+        return [k[1] for k in self.drafter.live_ids() if k[0] == client]
 
 
 def service_actor(name: str = "hvd-suffix-drafter", config: dict | None = None, num_cpus: float = 0.1):
@@ -193,6 +224,91 @@ class RemoteSuffixDrafter:
         self._incarnation = inc
         return [Draft(list(r[0]), list(r[1]), list(r[2]), r[3], r[4], r[5]) for r in replies]
 
+    def live_requests(self) -> int:
+        return len(self._ctx)
+
     def stats(self) -> dict:
-        return {"calls": self.calls, "wait_s": self.wait_s, "failures": self.failures,
+        return {"mode": "remote", "calls": self.calls, "wait_s": self.wait_s, "failures": self.failures,
                 "live_requests": len(self._ctx)}
+
+
+class MirroredSuffixDrafter(SuffixDrafter):
+    """A local :class:`SuffixDrafter` whose global tree also holds the other replicas' outputs,
+    exchanged with the actor in the background (see the module docstring)."""
+
+    def __init__(self, actor, config: SuffixConfig | None = None, *, pull_interval_s: float = 1.0) -> None:
+        super().__init__(config)
+        self.actor = actor
+        self.client = uuid.uuid4().hex[:12]
+        self.pull_interval_s = pull_interval_s
+        self._prompt_len: dict[Hashable, int] = {}
+        self._publishing: list = []  # refs of publish calls not yet seen to complete
+        self._pulling = None  # the pull call in flight, if any
+        self._last_pull = -float("inf")
+        self._cursor, self._incarnation = 0, None
+        self._pulled = 0  # key counter for pulled outputs in the local global tree
+        self.calls = self.failures = self.published = self.received = 0
+        self.wait_s = 0.0
+
+    def begin(self, req_id: Hashable, prompt: Sequence[int], slot: int | None = None) -> None:
+        super().begin(req_id, prompt, slot)
+        self._prompt_len[req_id] = len(prompt)
+
+    def end(self, req_id: Hashable) -> None:
+        output = self.context(req_id)[self._prompt_len.pop(req_id):]
+        super().end(req_id)
+        if output:
+            t0 = time.perf_counter()
+            self._publishing.append(self.actor.publish.remote(self.client, output))
+            self.calls += 1
+            self.published += 1
+            self.wait_s += time.perf_counter() - t0
+
+    def prepare(self, reqs: Sequence[DraftRequest]) -> None:
+        """Once per engine step: fold in what the background calls brought, never waiting for them."""
+        self.sync()
+
+    def flush(self) -> None:
+        """The engine loop is idle: keep the mirror fresh all the same."""
+        self.sync()
+
+    def sync(self, timeout: float = 0.0) -> None:
+        """Reap finished publish calls, fold a finished pull into the local global tree, and start
+        the next pull when one is due (``timeout`` > 0 waits that long for the pull, for tests)."""
+        t0 = time.perf_counter()
+        if self._publishing:
+            done, self._publishing = ray.wait(self._publishing, num_returns=len(self._publishing), timeout=0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - the actor died: that output is not shared
+                    self._failed("publish", e)
+        if self._pulling is not None:
+            done, _ = ray.wait([self._pulling], timeout=timeout)
+            if done:
+                try:
+                    inc, cursor, outputs = ray.get(self._pulling)
+                except Exception as e:  # noqa: BLE001 - the actor died: pull again later
+                    self._failed("pull", e)
+                else:
+                    self._incarnation, self._cursor = inc, cursor
+                    for tokens in outputs:
+                        self._pulled += 1
+                        self.add_to_global(("pulled", self._pulled), tokens)
+                    self.received += len(outputs)
+                self._pulling = None
+        elif t0 - self._last_pull >= self.pull_interval_s:
+            self._last_pull = t0
+            self._pulling = self.actor.pull.remote(self.client, self._cursor, self._incarnation)
+            self.calls += 1
+        self.wait_s += time.perf_counter() - t0
+
+    def _failed(self, what: str, e: Exception) -> None:
+        self.failures += 1
+        logger.warning("suffix drafter actor unavailable for %s (%s); drafting goes on from the local trees",
+                       what, type(e).__name__)
+
+    def stats(self) -> dict:
+        return {"mode": "mirror", "calls": self.calls, "wait_s": self.wait_s, "failures": self.failures,
+                "live_requests": self.live_requests(), "published": self.published, "received": self.received,
+                "cached_requests": len(self.cached_requests)}
