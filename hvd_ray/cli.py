@@ -28,6 +28,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--drafter", default="none", help="none | hvd | suffix | eagle3 | layerskip | draft-model")
     g.add_argument("--num-draft-tokens", type=int, default=16)
+    g.add_argument("--suffix-history", default=None, metavar="TRACES",
+                   help="start the suffix drafter's global tree with the train-split outputs of this "
+                        "collect_traces folder (past outputs of the same model)")
     g.add_argument("--policy", default="tau", help="with --drafter hvd: tau | cost | score | always-cache | always-model")
     g.add_argument("--predictor", default=None, help="yield predictor artifact (default: the shipped one)")
     g.add_argument("--model-drafter", default="layerskip", help="with --drafter hvd: layerskip | eagle3 | draft-model")
@@ -71,6 +74,11 @@ def generate(args: argparse.Namespace) -> int:
         else:
             drafter = make_drafter(args.drafter, model, draft_model=args.draft_model, eagle3_head=args.eagle3_head)
             drafters = [drafter] if drafter else []
+        if args.suffix_history:
+            from .traces.history import past_outputs, warm_global_tree
+
+            if not warm_global_tree(drafters, past_outputs(args.suffix_history)):
+                raise ValueError("--suffix-history needs a suffix drafter (--drafter suffix or hvd)")
         slim = None
         if args.slim:
             from .verification.tiered import SlimTier, resolve_mask

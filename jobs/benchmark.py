@@ -229,7 +229,8 @@ def bench_engine(args) -> str:
 # ----------------------------------------------------------------------------------------- spec
 def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object]:
     """(drafters, policy) for a method name: a drafter ("suffix", "layerskip", "eagle3", with "-tree"
-    for tree drafts; the suffix drafter also takes "-f<max_spec_factor>") or "hvd-<policy>" (suffix +
+    for tree drafts; the suffix drafter also takes "-f<max_spec_factor>", "-o<max_spec_offset>",
+    "-p<min_token_prob>") or "hvd-<policy>" (suffix +
     model drafter + selection policy)."""
     from hvd_ray.drafters import make_drafter
 
@@ -238,23 +239,20 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object
 
         return build_hvd(model, tok, policy=name[4:], predictor=args.predictor, model_drafter=args.model_drafter,
                          eagle3_head=args.eagle3_head, slots=1, max_len=max_len)
-    if name.startswith("suffix"):  # suffix[-tree][-f<max_spec_factor>], e.g. suffix-tree-f2
+    if name.startswith("suffix"):  # suffix[-tree][-fF][-oO][-pP], e.g. suffix-tree-f2-p0.05
         from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter
 
         parts = name.split("-")[1:]
-        factor = next((float(p[1:]) for p in parts if p.startswith("f")), SuffixConfig.max_spec_factor)
-        return [SuffixDrafter(SuffixConfig(use_tree_spec="tree" in parts, max_spec_factor=factor))], None
+
+        def opt(key: str, default: float) -> float:
+            return next((float(p[1:]) for p in parts if p[:1] == key and p != "tree"), default)
+
+        cfg = SuffixConfig(use_tree_spec="tree" in parts, max_spec_factor=opt("f", SuffixConfig.max_spec_factor),
+                           max_spec_offset=opt("o", SuffixConfig.max_spec_offset),
+                           min_token_prob=opt("p", SuffixConfig.min_token_prob))
+        return [SuffixDrafter(cfg)], None
     base, tree = (name[:-5], True) if name.endswith("-tree") else (name, False)
     return [make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len, tree=tree)], None
-
-
-def warm_outputs(traces_dir: str) -> list[tuple[str, list[int]]]:
-    """(id, output tokens) of the train-split traces in a ``collect_traces`` folder, in arrival order:
-    past outputs to seed suffix drafters' global trees with (never the held-out prompts' own)."""
-    from hvd_ray.traces.replay import read_trace_table, traces_from_table
-
-    traces = traces_from_table(read_trace_table(traces_dir))
-    return [(f"warm-{t.seq}", t.output) for t in traces if t.split in ("train", "")]
 
 
 SPEC_RAW_KEYS = ("tokens", "time", "forwards", "steps", "dec_tokens", "draft_s", "cache_steps")
@@ -272,12 +270,11 @@ def bench_spec(args) -> str:
             methods[name] = make_method(name, model, tok, args, max_len)
         except (ValueError, FileNotFoundError) as e:
             print(f"skipping {name}: {e}", file=sys.stderr)
-    warm = warm_outputs(args.warm_traces) if args.warm_traces else []
+    from hvd_ray.traces.history import past_outputs, warm_global_tree
+
+    warm = past_outputs(args.warm_traces) if args.warm_traces else []
     for ds, _ in methods.values():  # a serving system's global tree holds its past outputs
-        for d in ds:
-            if hasattr(d, "add_to_global"):
-                for rid, out in warm:
-                    d.add_to_global(rid, out)
+        warm_global_tree(ds, warm)
     engines = {m: Engine(model, drafters=ds, policy=pol, max_batch=1, max_len=max_len,
                          num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id])
                for m, (ds, pol) in methods.items()}

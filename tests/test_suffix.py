@@ -418,3 +418,36 @@ def test_remove_all_empties_tree():
     assert t.num_tokens == 0 and t.patterns() == {} and len(t) == 0
     t.extend(2, [5, 6])
     assert t.patterns() == {(5,): 1, (6,): 1, (5, 6): 1}
+
+
+def test_history_from_a_trace_folder_seeds_the_global_tree(tmp_path):
+    """``--suffix-history``: a collect_traces folder's train-split outputs (not prompts, not held-out
+    outputs) go into the global tree, in arrival order, so a new request drafts from them."""
+    import json
+
+    from hvd_ray.traces.collect import TraceWriter
+    from hvd_ray.traces.history import past_outputs, warm_global_tree
+
+    def row(pid: str, seq: int, split: str, prompt: list[int], output: list[int]) -> dict:
+        return {"prompt_id": pid, "workload": "function_calling", "split": split, "seq": seq,
+                "prompt_tokens": prompt, "output_tokens": output, "finish_reason": "stop", "model_id": "m",
+                "model_revision": "rev", "backend": "hvd_ray", "decoding": json.dumps({"temperature": 0.0}),
+                "prefill_s": 0.1, "decode_s": 0.2, "created_at": None, "topk_ids": None, "topk_logprobs": None}
+
+    call = [7, 8, 9, 10, 11, 12, 13, 14]
+    with TraceWriter(tmp_path / "t") as w:
+        w.add([row("b", 1, "train", [1, 2], call), row("a", 0, "train", [3, 4], [20, 21, 22]),
+               row("c", 2, "test", [5, 6], [30, 31, 32, 33]), row("d", 3, "train", [40, 41], [])])
+    outs = past_outputs(tmp_path / "t")
+    assert outs == [("history-0", [20, 21, 22]), ("history-1", call)]  # by seq; no test split, no empty
+    d, plain = SuffixDrafter(), SuffixDrafter()
+    assert warm_global_tree([d, object()], outs) == 1
+    assert d.cached_requests == ["history-0", "history-1"] and d.global_tree.num_tokens == 3 + len(call)
+    assert d.global_tree.count([1, 2]) == 0 and d.global_tree.count([30, 31]) == 0  # prompts / held out
+    for x in (d, plain):
+        x.begin("r", [99, 7, 8, 9])
+    got = d.speculate("r", 8)
+    assert got.source == "suffix-global" and got.token_ids == call[3:3 + len(got)] and len(got) > 0
+    assert plain.speculate("r", 8).token_ids == []  # cold: nothing to draft from
+    with pytest.raises(FileNotFoundError, match="no trace folder"):
+        past_outputs(tmp_path / "missing")

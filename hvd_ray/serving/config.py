@@ -44,6 +44,8 @@ class ServingConfig(BaseModel):
                                    description="mirror: draft from local trees, exchange finished outputs with the "
                                    "actor in the background | remote: the actor holds the request trees and "
                                    "drafts for the whole batch once per step")
+    suffix_history: str | None = Field(None, description="a collect_traces folder: its train-split outputs start "
+                                       "the suffix drafter's global tree (local trees and the shared actor's)")
     suffix_actor_name: str = Field("hvd-suffix-drafter", description="name of that actor (one per application)")
 
     # --- engine limits

@@ -251,14 +251,22 @@ class ModelReplica:
     def _drafters(self, cfg: ServingConfig, max_len: int) -> tuple[list, object]:
         """The engine's drafters and policy; the suffix drafter is the shared actor's proxy when
         ``suffix_actor`` is set."""
-        from ..drafters import make_drafter
-
         cache = None
         if cfg.suffix_actor and cfg.drafter in ("suffix", "hvd"):
             from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
 
-            actor = service_actor(cfg.suffix_actor_name)
+            actor = service_actor(cfg.suffix_actor_name, history=cfg.suffix_history)
             cache = MirroredSuffixDrafter(actor) if cfg.suffix_actor_mode == "mirror" else RemoteSuffixDrafter(actor)
+        drafters, policy = self._build_drafters(cfg, max_len, cache)
+        if cfg.suffix_history:  # in-process trees (mirror, or no actor); the actor warms its own
+            from ..traces.history import past_outputs, warm_global_tree
+
+            warm_global_tree(drafters, past_outputs(cfg.suffix_history))
+        return drafters, policy
+
+    def _build_drafters(self, cfg: ServingConfig, max_len: int, cache) -> tuple[list, object]:
+        from ..drafters import make_drafter
+
         if cfg.drafter == "hvd":
             from ..selection.hvd import build_hvd
 

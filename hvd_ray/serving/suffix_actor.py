@@ -47,8 +47,12 @@ _UNKNOWN = None  # the service's reply for a request it does not know (it restar
 class SuffixDrafterService:
     """The actor body: a plain :class:`SuffixDrafter` keyed by ``(client, request id)``."""
 
-    def __init__(self, config: dict | None = None) -> None:
+    def __init__(self, config: dict | None = None, history: str | None = None) -> None:
         self.drafter = SuffixDrafter(SuffixConfig(**(config or {})))
+        if history:  # past outputs from a trace folder (ServingConfig.suffix_history)
+            from ..traces.history import past_outputs, warm_global_tree
+
+            warm_global_tree([self.drafter], past_outputs(history))
         self.incarnation = uuid.uuid4().hex  # changes when Ray restarts the actor
         # the shared history mirrors pull: (sequence number, publishing client, output tokens)
         self.log: deque[tuple[int, str, list[int]]] = deque(maxlen=max(1, self.drafter.config.max_cached_requests))
@@ -115,13 +119,14 @@ class SuffixDrafterService:
         return [k[1] for k in self.drafter.live_ids() if k[0] == client]
 
 
-def service_actor(name: str = "hvd-suffix-drafter", config: dict | None = None, num_cpus: float = 0.1):
+def service_actor(name: str = "hvd-suffix-drafter", config: dict | None = None, num_cpus: float = 0.1,
+                  history: str | None = None):
     """The named, detached service actor (created by the first replica, found by the others).
     Ray restarts it whenever it dies; calls in flight then fail and the clients resync."""
     cls = ray.remote(SuffixDrafterService)
     return cls.options(name=name, namespace=ACTOR_NAMESPACE, get_if_exists=True, lifetime="detached",
                        num_cpus=num_cpus, max_restarts=-1, max_task_retries=0,
-                       max_concurrency=1).remote(config)
+                       max_concurrency=1).remote(config, history)
 
 
 class RemoteSuffixDrafter:
