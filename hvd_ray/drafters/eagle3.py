@@ -60,7 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..model.transformer import ModelConfig, RMSNorm, Transformer, apply_rope, rope_cos_sin, rope_tables
+from ..model.transformer import (ModelConfig, RMSNorm, Transformer, apply_rope, linear, pack_linears, rope_cos_sin,
+                                 rope_tables)
 from .base import Draft, DraftRequest
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -223,15 +224,15 @@ class _Attention(nn.Module):
         """Attention over the cache (writing the new K/V rows), or, without a cache, plain causal
         self-attention over ``x`` (the differentiable teacher-forced path)."""
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.hd), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.hd), cos, sin)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        q = apply_rope(linear(x, self.q_proj).view(B, T, self.n_heads, self.hd), cos, sin)
+        k = apply_rope(linear(x, self.k_proj).view(B, T, self.n_kv, self.hd), cos, sin)
+        v = linear(x, self.v_proj).view(B, T, self.n_kv, self.hd)
         if cache is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=True, enable_gqa=self.n_heads != self.n_kv,
             )
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+            return linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.o_proj)
         span = mask.shape[-1]
         if B == 1:
             s, a = slots[0], int(starts[0])
@@ -249,7 +250,7 @@ class _Attention(nn.Module):
             q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
             attn_mask=mask.unsqueeze(1), enable_gqa=self.n_heads != self.n_kv,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+        return linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.o_proj)
 
 
 class _MLP(nn.Module):
@@ -260,7 +261,7 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
 class _MidLayer(nn.Module):
@@ -335,7 +336,7 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def fuse(self, taps: Tensor) -> Tensor:
         """``fc`` over the concatenated target taps ``[..., 3 * H_target]``."""
-        return self.fc(taps.to(device=self.device, dtype=self.dtype))
+        return linear(taps.to(device=self.device, dtype=self.dtype), self.fc)
 
     @torch.inference_mode()
     def forward(
@@ -389,7 +390,7 @@ class Eagle3Head(nn.Module):
         resid = hn if layer.norm_before_residual else h
         resid = resid + layer.self_attn(x, cos, sin, *attn_args)
         prenorm = resid + layer.mlp(layer.post_attention_layernorm(resid))
-        return prenorm, self.lm_head(self.norm(prenorm))
+        return prenorm, linear(self.norm(prenorm), self.lm_head)
 
     def teacher_forward(self, next_tokens: Tensor, taps: Tensor) -> Tensor:
         """Differentiable training forward: logits ``[B, T, V_draft]`` for sequences of pairs
@@ -451,7 +452,9 @@ class Eagle3Head(nn.Module):
                     p.zero_()
             head.set_draft_vocab(ids)
         head.check_target(target)
-        return head.to(device=target.device, dtype=dtype or target.dtype).eval()
+        head = head.to(device=target.device, dtype=dtype or target.dtype).eval()
+        pack_linears(head, head.device, head.dtype)  # bf16 CPU: oneDNN-prepacked, as the target's
+        return head
 
     def set_draft_vocab(self, ids: Sequence[int]) -> None:
         """Fill ``d2t`` / ``t2d`` for the sorted target ids ``ids`` of the draft vocabulary."""
@@ -528,7 +531,9 @@ class Eagle3Head(nn.Module):
                              f"unexpected {sorted(unexpected)[:5]}")
         head.check_target(target)
         head.load_state_dict(state, strict=True)
-        return head.to(device=target.device, dtype=dtype or target.dtype).eval()
+        head = head.to(device=target.device, dtype=dtype or target.dtype).eval()
+        pack_linears(head, head.device, head.dtype)  # bf16 CPU: oneDNN-prepacked, as the target's
+        return head
 
 
 # ----------------------------------------------------------------------------------------- drafter

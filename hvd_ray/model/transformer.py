@@ -115,10 +115,23 @@ def rope_cos_sin(cos_table: Tensor, sin_table: Tensor, pos: Tensor, dtype: torch
     return cos.to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(dtype)
 
 
+def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Give every ``nn.Linear`` in ``module`` a oneDNN-prepacked weight for :func:`linear` (CPU
+    bf16 only; elsewhere drop any packed copy). Returns whether it packed."""
+    ok = (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+          and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    for mod in module.modules():
+        if isinstance(mod, nn.Linear):
+            mod.__dict__.pop("packed", None)
+            if ok:
+                mod.__dict__["packed"] = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), 1)
+    return ok
+
+
 def linear(x: Tensor, mod: nn.Linear) -> Tensor:
     """``mod(x)``, through oneDNN's prepacked weight when ``pack_weights`` made one (CPU bf16)."""
     packed = mod.__dict__.get("packed")
-    if packed is None:
+    if packed is None or x.dtype != torch.bfloat16:  # (a module moved to another dtype after packing)
         return F.linear(x, mod.weight, mod.bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, mod.bias, "none", [], "")
 
@@ -439,14 +452,7 @@ class Transformer(nn.Module):
         bit-identical bf16 results. fp32 is left alone: there it changes the accumulation order,
         and fp32 is our exactness reference. Call again after changing weights (e.g. sharding).
         """
-        ok = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        for mod in self.modules():
-            if isinstance(mod, nn.Linear):
-                mod.__dict__.pop("packed", None)
-                if ok:
-                    mod.__dict__["packed"] = torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), 1)
-        return ok
+        return pack_linears(self, self.device, self.dtype)
 
     # ----------------------------------------------------------------------------------- load
     @classmethod

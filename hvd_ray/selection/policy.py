@@ -19,8 +19,8 @@ Choices are ``"cache"`` (verify the suffix draft), ``"model"`` (ask the model dr
 from __future__ import annotations
 
 import abc
-
 import bisect
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -108,7 +108,9 @@ class Policy(abc.ABC):
 
     def __call__(self, req: "Request", engine: "Engine") -> Choice:
         view, draft = self.observe(req, engine)
-        choice, predicted = self.decide(view)
+        return self._choice(*self.decide(view), draft)
+
+    def _choice(self, choice: str, predicted: float | None, draft: Draft) -> Choice:
         if choice == CACHE:
             return Choice(self.cache, draft, predicted)
         if choice == MODEL and self.model is not None:
@@ -182,13 +184,19 @@ class CostPolicy(Policy):
     drafting time in units of a one-token target forward (timed from the verify forwards). The
     priors only matter until the first model steps; an optimistic prior makes the policy try the
     model drafter and learn what it is worth here, on this hardware.
+
+    The model's acceptance is judged per request: each request starts from the prior (worth
+    ``prior_steps`` model steps) and moves to its own mean as its model steps come in. A global
+    average would let one workload (long function-calling prompts the head drafts poorly) price the
+    model out for the next (code, where it pays), and a priced-out drafter is never re-measured.
+    The cache side is calibrated per tree (request / global): measured accepted over predicted.
     """
 
     name = "cost"
 
     def __init__(self, predictor: "YieldPredictor", cache=None, model=None, flags=None, *,
                  cost_table: dict[int, float] = VERIFY_COST, model_token_cost: float = LAYERSKIP_TOKEN_COST,
-                 model_accept: float | None = None, adapt: float = 0.05):
+                 model_accept: float | None = None, adapt: float = 0.05, prior_steps: float = 2.0):
         super().__init__(cache, model, flags)
         self.predictor, self.table, self.model_token_cost = predictor, dict(cost_table), model_token_cost
         if model_accept is None:
@@ -196,19 +204,28 @@ class CostPolicy(Policy):
         if not 0.0 <= adapt <= 1.0:
             raise ValueError(f"adapt must be in [0, 1], got {adapt}")
         self.model_accept, self.adapt = model_accept, adapt
+        self.prior_accept, self.prior_steps = model_accept, prior_steps
+        self._per_req: OrderedDict[str, list[float]] = OrderedDict()  # req -> [model steps, accepted]
+        # cache side: measured accepted / predicted on verified cache drafts, per tree (request /
+        # global), so a predictor that is biased on this workload is corrected online
+        self.cache_scale: dict[str, float] = {}
+        self._cache_sums: dict[str, list[float]] = {}
         self.model_len_seen: float | None = None  # measured mean model-draft length
         self.model_draft_cost: float | None = None  # measured drafting time per model draft, in forwards
         self.forward_s: float | None = None  # measured time of a one-token target forward
 
-    def rates(self, view: StepView, y: float) -> dict[str, float]:
+    def rates(self, view: StepView, y: float, tree: str | None = None,
+              model_accept: float | None = None) -> dict[str, float]:
         r = {NONE: 1.0 / verify_cost(1, self.table)}
         if view.cache_len > 0:
-            r[CACHE] = (min(max(y, 0.0), view.cache_len) + 1) / verify_cost(1 + view.cache_len, self.table)
+            y = max(y, 0.0) * self.cache_scale.get(tree, 1.0)
+            r[CACHE] = (min(y, view.cache_len) + 1) / verify_cost(1 + view.cache_len, self.table)
         k = view.model_len
         if k > 0:
             kk = min(self.model_len_seen, k) if self.model_len_seen is not None else k
             draft = self.model_draft_cost if self.model_draft_cost is not None else k * self.model_token_cost
-            r[MODEL] = (min(self.model_accept, kk) + 1) / (verify_cost(1 + kk, self.table) + draft)
+            m = self.model_accept if model_accept is None else model_accept
+            r[MODEL] = (min(m, kk) + 1) / (verify_cost(1 + kk, self.table) + draft)
         return r
 
     def learn(self, rec) -> None:
@@ -219,6 +236,12 @@ class CostPolicy(Policy):
         ema = lambda old, x: x if old is None else (1 - a) * old + a * x  # noqa: E731
         if rec.verify_s > 0:
             self.forward_s = ema(self.forward_s, rec.verify_s / verify_cost(1 + rec.drafted, self.table))
+        if rec.source.startswith("suffix") and rec.predicted is not None and rec.drafted > 0:
+            sums = self._cache_sums.setdefault(rec.source, [0.0, 0.0])  # EMAs of accepted, predicted
+            sums[0] = (1 - a) * sums[0] + a * rec.accepted
+            sums[1] = (1 - a) * sums[1] + a * min(max(rec.predicted, 0.0), rec.drafted)
+            if sums[1] > 0.05:
+                self.cache_scale[rec.source] = min(4.0, max(0.25, sums[0] / sums[1]))
         if self.model is not None and rec.source == getattr(self.model, "name", None):
             self.model_accept = ema(self.model_accept, float(rec.accepted))
             self.model_len_seen = ema(self.model_len_seen, float(rec.drafted))
@@ -232,15 +255,33 @@ class CostPolicy(Policy):
                     cur = max(1.0, self.model_len_seen) * self.model_token_cost
                 self.model_draft_cost = ema(cur, min(rec.draft_s / self.forward_s, 3.0 * cur))
 
-    def __call__(self, req, engine):
-        if req.stats.steps:  # each record is seen once: the request's previous step
-            self.learn(req.stats.steps[-1])
-        return super().__call__(req, engine)
-
-    def decide(self, view):
+    def decide(self, view, tree: str | None = None, model_accept: float | None = None):
         y = float(self.predictor.predict(view.phi)) if view.cache_len > 0 else 0.0
-        r = self.rates(view, y)
+        r = self.rates(view, y, tree, model_accept)
         return max(r, key=r.get), y
+
+    def request_accept(self, req_id: str, rec=None) -> float:
+        """The model's expected acceptance for one request: the prior, worth ``prior_steps`` model
+        steps, averaged with the request's own model steps (``rec``: its latest step record)."""
+        st = self._per_req.get(req_id)
+        if st is None:
+            st = self._per_req[req_id] = [0.0, 0.0]
+            while len(self._per_req) > 4096:  # finished requests age out
+                self._per_req.popitem(last=False)
+        if rec is not None and self.model is not None and rec.source == getattr(self.model, "name", None):
+            st[0] += 1
+            st[1] += rec.accepted
+        if self.adapt == 0.0:
+            return self.model_accept
+        return (self.prior_steps * self.prior_accept + st[1]) / (self.prior_steps + st[0])
+
+    def __call__(self, req, engine):
+        rec = req.stats.steps[-1] if req.stats.steps else None  # each record is seen once
+        if rec is not None:
+            self.learn(rec)
+        m = self.request_accept(req.req_id, rec)
+        view, draft = self.observe(req, engine)
+        return self._choice(*self.decide(view, draft.source, m), draft)
 
 
 class OraclePolicy(Policy):
