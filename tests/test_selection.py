@@ -284,3 +284,37 @@ def test_cost_policy_learns_the_model_side_and_ignores_one_off_outliers():
     fixed = CostPolicy(_Pred(), model=_Model(), model_accept=2.0, adapt=0.0)
     fixed.learn(StepRecord("eagle3", 3, 0, draft_s=0.5, verify_s=fwd))
     assert fixed.model_accept == 2.0 and fixed.model_draft_cost is None
+
+
+def test_cost_policy_judges_the_model_per_request_and_calibrates_the_cache():
+    """One request where the model drafter fails must not price it out for the next request (a
+    global average would, and a priced-out drafter is never re-measured); the cache side scales ŷ
+    by what its drafts really got accepted, per tree."""
+    from hvd_ray.engine.request import StepRecord
+    from hvd_ray.selection.policy import CostPolicy
+
+    class _Model:
+        name, depth = "eagle3", 5
+
+    class _Pred:
+        meta = {}
+
+        def predict(self, phi):
+            return 4.0
+
+    pol = CostPolicy(_Pred(), model=_Model(), model_token_cost=0.05, model_accept=2.0, adapt=0.2)
+    assert pol.request_accept("a") == 2.0  # the prior
+    for _ in range(8):
+        m_a = pol.request_accept("a", StepRecord("eagle3", 5, 0, draft_s=0.004, verify_s=0.01))
+        pol.learn(StepRecord("eagle3", 5, 0, draft_s=0.004, verify_s=0.01))
+    assert m_a == pytest.approx(2.0 * 2 / (2 + 8))  # the request's own evidence dominates
+    assert pol.request_accept("b") == 2.0  # a new request starts from the prior again
+    view = StepView(np.zeros(3, np.float32), cache_len=0, model_len=5)
+    assert pol.decide(view, None, m_a)[0] == NONE and pol.decide(view, None, 2.0)[0] == MODEL
+
+    for _ in range(40):  # global-tree drafts get half of what the predictor promises
+        pol.learn(StepRecord("suffix-global", 8, 2, draft_s=0.0, verify_s=0.012, predicted=4.0))
+    assert pol.cache_scale["suffix-global"] == pytest.approx(0.5, rel=0.05)
+    assert "suffix-request" not in pol.cache_scale
+    both = StepView(np.zeros(3, np.float32), cache_len=8, model_len=5)
+    assert pol.rates(both, 4.0, "suffix-global")["cache"] < pol.rates(both, 4.0, "suffix-request")["cache"]
