@@ -38,10 +38,11 @@ from hvd_ray.traces import read_traces  # noqa: E402
 from hvd_ray.workloads import split_of  # noqa: E402
 
 
-def sequences(traces_dir: str, splits: set[str]) -> list[list[int]]:
-    t = read_traces(traces_dir, columns=["prompt_id", "prompt_tokens", "output_tokens"])
-    rows = t.to_pylist()
-    return [r["prompt_tokens"] + r["output_tokens"] for r in rows if split_of(r["prompt_id"]) in splits]
+def sequences(traces_dir: str, splits: set[str]) -> list[tuple[list[int], int, str]]:
+    """(prompt + output tokens, prompt length, workload) of the traces in ``splits``."""
+    t = read_traces(traces_dir, columns=["prompt_id", "prompt_tokens", "output_tokens", "workload"])
+    return [(r["prompt_tokens"] + r["output_tokens"], len(r["prompt_tokens"]), r["workload"])
+            for r in t.to_pylist() if split_of(r["prompt_id"]) in splits]
 
 
 def features_for(args, name: str, src: str, splits: set[str]) -> list[Path]:
@@ -55,9 +56,17 @@ def features_for(args, name: str, src: str, splits: set[str]) -> list[Path]:
         taps = taps_for(default_aux_layer_ids(target.cfg.n_layers))
         print(f"[features] {name}: {len(seqs)} sequences -> {folder}", file=sys.stderr)
         t0 = time.time()
-        write_shards(_progress(extract_features(target, seqs, taps, args.max_len), len(seqs), name), folder)
-        (folder / "done").write_text(json.dumps({"sequences": len(seqs), "seconds": time.time() - t0}))
+        samples = extract_features(target, [s for s, _, _ in seqs], taps, args.max_len, [p for _, p, _ in seqs])
+        write_shards(_progress(samples, len(seqs), name), folder)
+        (folder / "done").write_text(json.dumps({"sequences": len(seqs), "seconds": time.time() - t0,
+                                                 "workloads": [w for _, _, w in seqs]}))
     return sorted(folder.glob("shard-*.safetensors"))
+
+
+def shard_workloads(shards: list[Path]) -> list[str] | None:
+    """Each sequence's workload, in shard order (None for feature folders from before they were kept)."""
+    done = json.loads((shards[0].parent / "done").read_text()) if shards else {}
+    return done.get("workloads")
 
 
 def draft_vocab(args, shards: list[Path]) -> list[int]:
@@ -121,7 +130,8 @@ def train_loop(config: dict) -> None:
                 lr = config["lr"] * min(1.0, (step + 1) / 50) * max(0.1, 1 - step / max(total_steps, 1))
                 for group in opt.param_groups:
                     group["lr"] = lr
-                loss, accs = ttt_loss(head, s["taps"].float(), s["tokens"], s["pred"], steps=config["steps"])
+                loss, accs = ttt_loss(head, s["taps"].float(), s["tokens"], s["pred"], steps=config["steps"],
+                                      start=int(s["start"][0]), prompt_weight=config["prompt_weight"])
                 opt.zero_grad()
                 loss.backward()
                 if world > 1:
@@ -165,7 +175,8 @@ def fit(args, train_shards: list[Path], vocab: list[int]):
     storage = (Path(args.out) / "ray_train").resolve()
     config = {"model_folder": str(resolve(args.model)), "vocab": vocab, "shards": [str(p) for p in train_shards],
               "lr": args.lr, "epochs": args.epochs, "steps": args.ttt_steps, "seed": args.seed,
-              "minutes": args.minutes, "threads": args.threads, "report_every": 20}
+              "minutes": args.minutes, "threads": args.threads, "report_every": 20,
+              "prompt_weight": args.prompt_weight}
     run = RunConfig(name="eagle3", storage_path=str(storage),
                     checkpoint_config=CheckpointConfig(num_to_keep=2))
     scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,
@@ -182,33 +193,48 @@ def fit(args, train_shards: list[Path], vocab: list[int]):
 
 
 @torch.no_grad()
-def evaluate(head: Eagle3Head, shards: list[Path], depth: int = 5) -> dict:
+def evaluate(head: Eagle3Head, shards: list[Path], depth: int = 5, workloads: list[str] | None = None) -> dict:
     """Held-out acceptance of chain drafts, teacher-forced on the traces: per draft position k, the
-    rate at which token k is right given 1..k-1 were; and mean accepted tokens per target forward."""
-    hits = [0] * depth
-    tries = [0] * depth
-    accepted = []
+    rate at which token k is right given 1..k-1 were; and mean accepted tokens per target forward.
+    The headline figures count response positions only (where drafting happens live), per workload
+    too; ``all_positions`` adds the prompts (easy to predict: tool schemas repeat), for comparison."""
+    hits, tries = [0] * depth, [0] * depth
+    acc: dict[str, list[int]] = {}  # region or workload -> [accepted, positions]
+    i = -1
     for path in shards:
         for s in read_shard(path):
+            i += 1
             tokens, pred = s["tokens"], s["pred"].long()
             L = tokens.shape[0] - 1
             if L <= depth:
                 continue
+            start = int(s["start"][0])
             logits = ttt_logits(head, s["taps"].float(), tokens, depth)
             drafted = [head.to_target_ids(lg.argmax(-1)) for lg in logits]  # step k at index i
-            for start in range(0, L - depth):
+            for pos in range(0, L - depth):
                 n = 0
-                for k in range(depth):  # draft token k+1 comes from step k+1 at index start+k
-                    tries[k] += 1
-                    if int(drafted[k][start + k]) != int(pred[start + k + 1]):
+                response = pos >= start - 1
+                for k in range(depth):  # draft token k+1 comes from step k+1 at index pos+k
+                    if response:
+                        tries[k] += 1
+                    if int(drafted[k][pos + k]) != int(pred[pos + k + 1]):
                         break
-                    hits[k] += 1
+                    hits[k] += response
                     n += 1
-                accepted.append(n)
-    rates = [h / t if t else 0.0 for h, t in zip(hits, tries)]
-    return {"per_position_acceptance": rates,
-            "mean_accepted_tokens_per_forward": 1 + sum(accepted) / max(len(accepted), 1),
-            "positions": len(accepted)}
+                keys = ["all"] + (["response", f"workload:{workloads[i]}" if workloads else "workload:?"]
+                                  if response else [])
+                for key in keys:
+                    a = acc.setdefault(key, [0, 0])
+                    a[0] += n
+                    a[1] += 1
+    mat = lambda key: 1 + acc[key][0] / acc[key][1] if acc.get(key, [0, 0])[1] else 0.0  # noqa: E731
+    return {"per_position_acceptance": [h / t if t else 0.0 for h, t in zip(hits, tries)],
+            "mean_accepted_tokens_per_forward": mat("response"),
+            "positions": acc.get("response", [0, 0])[1],
+            "per_workload": {k.split(":", 1)[1]: {"mean_accepted_tokens_per_forward": mat(k), "positions": v[1]}
+                             for k, v in sorted(acc.items()) if k.startswith("workload:")},
+            "all_positions": {"mean_accepted_tokens_per_forward": mat("all"), "positions": acc.get("all", [0, 0])[1]},
+            "scope": "response positions (teacher-forced chain of %d)" % depth}
 
 
 def main() -> None:
@@ -218,7 +244,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="default")
     ap.add_argument("--draft-vocab", type=int, default=8192)
-    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps in training (the chain depth "
+                    "drafting uses is 5: train with 5 to teach positions 4-5)")
+    ap.add_argument("--prompt-weight", type=float, default=1.0,
+                    help="loss weight of prompt positions (responses weigh 1; the head only drafts responses)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
@@ -241,7 +270,7 @@ def main() -> None:
     with result.checkpoint.as_directory() as d:
         target = Transformer.from_pretrained(resolve(args.model), dtype=torch.float32)
         head = Eagle3Head.load(Path(d) / "head", target, dtype=torch.float32)
-    report = evaluate(head, heldout_shards)
+    report = evaluate(head, heldout_shards, workloads=shard_workloads(heldout_shards))
     out = Path(args.out)
     head.to(torch.bfloat16).save(out)
     digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()

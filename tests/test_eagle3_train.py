@@ -95,3 +95,20 @@ def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
     trained = Eagle3Head.load(os.path.join(meta["checkpoint"], "head"), target, dtype=torch.float32)
     for (n, a), (_, b) in zip(shipped.state_dict().items(), trained.state_dict().items()):
         assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2), n  # bf16 export of the same weights
+
+
+def test_prompt_positions_weigh_prompt_weight(tiny_llama):
+    """With prompt_weight 0 the loss is the response positions' alone: changing what the target
+    predicts inside the prompt leaves it unchanged; with weight 1 it moves."""
+    target = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
+    head = Eagle3Head.from_target(target, seed=2, dtype=torch.float32)
+    seq = list(range(30, 60))
+    s = next(extract_features(target, [seq], head.tap_layers, max_len=64, starts=[12]))
+    assert int(s["start"][0]) == 12
+    other = s["pred"].clone()
+    other[:10] = (other[:10] + 1) % 64  # labels of indices 0..9 (< start - 1) only
+    with torch.no_grad():
+        args = (s["taps"].float(), s["tokens"])
+        resp = [ttt_loss(head, *args, p, steps=3, start=12, prompt_weight=0.0)[0].item() for p in (s["pred"], other)]
+        full = [ttt_loss(head, *args, p, steps=3, start=12, prompt_weight=1.0)[0].item() for p in (s["pred"], other)]
+    assert abs(resp[0] - resp[1]) < 1e-6 and abs(full[0] - full[1]) > 1e-4

@@ -32,10 +32,11 @@ IGNORE = -100
 # ------------------------------------------------------------------------------------ features
 @torch.inference_mode()
 def extract_features(target: Transformer, sequences: Sequence[Sequence[int]], taps: Sequence[int],
-                     max_len: int = 1024) -> Iterator[dict[str, Tensor]]:
-    """Per sequence: ``tokens [L]``, ``taps [L, 3H]`` (bf16) and ``pred [L]`` (target argmax)."""
+                     max_len: int = 1024, starts: Sequence[int] | None = None) -> Iterator[dict[str, Tensor]]:
+    """Per sequence: ``tokens [L]``, ``taps [L, 3H]`` (bf16), ``pred [L]`` (target argmax) and
+    ``start [1]``: where the response begins (the prompt's length; ``starts``, default 0)."""
     target.setup_cache(1, max_len)
-    for seq in sequences:
+    for n, seq in enumerate(sequences):
         seq = list(seq)[:max_len]
         target.cache.truncate(0, 0)
         out = target(torch.tensor([seq], device=target.device), [0], taps=taps)
@@ -43,6 +44,7 @@ def extract_features(target: Transformer, sequences: Sequence[Sequence[int]], ta
             "tokens": torch.tensor(seq, dtype=torch.int32),
             "taps": torch.cat([t[0] for t in out.taps], dim=-1).to(torch.bfloat16).cpu(),
             "pred": out.logits[0].argmax(-1).to(torch.int32).cpu(),
+            "start": torch.tensor([starts[n] if starts is not None else 0], dtype=torch.int32),
         }
 
 
@@ -71,7 +73,8 @@ def _flush(buf: dict[str, Tensor], folder: Path, n: int) -> Path:
 def read_shard(path: Path) -> list[dict[str, Tensor]]:
     flat = load_file(str(path))
     n = len({k.split(".")[0] for k in flat})
-    return [{k: flat[f"{i}.{k}"] for k in ("tokens", "taps", "pred")} for i in range(n)]
+    zero = torch.zeros(1, dtype=torch.int32)  # shards written before ``start`` existed: all response
+    return [{k: flat.get(f"{i}.{k}", zero) for k in ("tokens", "taps", "pred", "start")} for i in range(n)]
 
 
 def draft_vocab_from_counts(counts: Tensor, size: int) -> list[int]:
@@ -116,17 +119,28 @@ def ttt_logits(head: Eagle3Head, taps: Tensor, tokens: Tensor, steps: int = 3) -
     return out_logits
 
 
+def response_weights(L: int, start: int, prompt_weight: float, device=None) -> Tensor:
+    """Loss weight of each index i < L: 1 where the token drafted there belongs to the response
+    (i >= start - 1: what the head drafts live), ``prompt_weight`` inside the prompt."""
+    w = torch.ones(L, device=device)
+    w[: max(0, min(L, start - 1))] = prompt_weight
+    return w
+
+
 def ttt_loss(head: Eagle3Head, taps: Tensor, tokens: Tensor, pred: Tensor, steps: int = 3,
-             decay: float = 0.8) -> tuple[Tensor, list[float]]:
+             decay: float = 0.8, start: int = 0, prompt_weight: float = 1.0) -> tuple[Tensor, list[float]]:
     """Decay-weighted cross-entropy of every unrolled step against the target's greedy token after
     position i+1 (``pred[i+1]``, mapped into the draft vocabulary; others ignored), and each step's
-    top-1 accuracy."""
+    top-1 accuracy. Prompt positions (before ``start``, the response) weigh ``prompt_weight``: the
+    head only ever drafts responses, and long structured prompts (tool schemas) would otherwise
+    dominate the loss with text that is easy to predict and never drafted."""
     L = tokens.shape[0] - 1
     if L < steps:
         raise ValueError(f"sequence too short ({L + 1} tokens) for {steps} steps")
     draft_index = torch.cumsum(head.t2d.long(), 0) - 1
     label_t = pred[1 : L + 1].long().to(head.device)
     labels = torch.where(head.t2d[label_t], draft_index[label_t], torch.full_like(label_t, IGNORE))
+    weight = response_weights(L, start, prompt_weight, head.device)
     total = torch.zeros((), device=head.device)
     accs = []
     for k, logits in enumerate(ttt_logits(head, taps, tokens, steps), start=1):
@@ -134,7 +148,9 @@ def ttt_loss(head: Eagle3Head, taps: Tensor, tokens: Tensor, pred: Tensor, steps
         lab[: k - 1] = IGNORE
         ok = lab != IGNORE
         if ok.any():
-            total = total + (decay ** (k - 1)) * F.cross_entropy(logits, lab, ignore_index=IGNORE)
+            ce = F.cross_entropy(logits, lab, ignore_index=IGNORE, reduction="none")
+            w = weight * ok
+            total = total + (decay ** (k - 1)) * (ce * w).sum() / w.sum().clamp_min(1e-6)
             accs.append((logits[ok].argmax(-1) == lab[ok]).float().mean().item())
         else:
             accs.append(0.0)
