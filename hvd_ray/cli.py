@@ -31,9 +31,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--suffix-history", default=None, metavar="TRACES",
                    help="start the suffix drafter's global tree with the train-split outputs of this "
                         "collect_traces folder (past outputs of the same model)")
-    g.add_argument("--policy", default="tau", help="with --drafter hvd: tau | cost | score | always-cache | always-model")
+    g.add_argument("--policy", default="cost", help="with --drafter hvd: cost | tau | score | always-cache | always-model")
     g.add_argument("--predictor", default=None, help="yield predictor artifact (default: the shipped one)")
-    g.add_argument("--model-drafter", default="layerskip", help="with --drafter hvd: layerskip | eagle3 | draft-model")
+    g.add_argument("--model-drafter", default="eagle3",
+                   help="with --drafter hvd: eagle3 (the shipped head for the default model) | layerskip | draft-model")
     g.add_argument("--draft-model", default=None, help="folder of the draft model (--drafter draft-model)")
     g.add_argument("--eagle3-head", default=None, help="folder of an EAGLE-3 head (--drafter eagle3)")
     g.add_argument("--slim", default=None, metavar="MASK",
