@@ -257,22 +257,18 @@ def test_policies_drive_the_engine_losslessly(which):
         assert all(st.predicted <= 1.0 for st in steps if st.source == "layerskip")
 
 
+class _Eagle:
+    """What CostPolicy reads of a model drafter: its name (to match step records) and depth."""
+
+    name, depth = "eagle3", 5
+
+
 def test_cost_policy_learns_the_model_side_and_ignores_one_off_outliers():
     """Online calibration: the model drafter's measured acceptance and drafting time move the
     estimates; a single huge drafting time (the first draft's prompt catch-up) is clipped."""
     from hvd_ray.engine.request import StepRecord
-    from hvd_ray.selection.policy import CostPolicy
 
-    class _Model:
-        name, depth = "eagle3", 5
-
-    class _Pred:
-        meta = {}
-
-        def predict(self, phi):
-            return 0.0
-
-    pol = CostPolicy(_Pred(), model=_Model(), model_token_cost=0.1, model_accept=2.0, adapt=0.2)
+    pol = CostPolicy(constant_predictor(0.0), model=_Eagle(), model_token_cost=0.1, model_accept=2.0, adapt=0.2)
     fwd = 0.010
     pol.learn(StepRecord("eagle3", 3, 1, draft_s=0.5, verify_s=fwd * 1.05))  # catch-up: 50 forwards
     assert pol.model_draft_cost < 0.3 * 3  # clipped to a few times the prior, not 50
@@ -281,7 +277,7 @@ def test_cost_policy_learns_the_model_side_and_ignores_one_off_outliers():
         pol.learn(StepRecord("suffix-request", 8, 5, draft_s=0.0001, verify_s=fwd * 1.2))
     assert pol.model_accept < 0.1 and abs(pol.model_len_seen - 2) < 0.1
     assert 0.1 < pol.model_draft_cost < 0.3  # ~0.2 forwards per draft
-    fixed = CostPolicy(_Pred(), model=_Model(), model_accept=2.0, adapt=0.0)
+    fixed = CostPolicy(constant_predictor(0.0), model=_Eagle(), model_accept=2.0, adapt=0.0)
     fixed.learn(StepRecord("eagle3", 3, 0, draft_s=0.5, verify_s=fwd))
     assert fixed.model_accept == 2.0 and fixed.model_draft_cost is None
 
@@ -291,18 +287,8 @@ def test_cost_policy_judges_the_model_per_request_and_calibrates_the_cache():
     global average would, and a priced-out drafter is never re-measured); the cache side scales ŷ
     by what its drafts really got accepted, per tree."""
     from hvd_ray.engine.request import StepRecord
-    from hvd_ray.selection.policy import CostPolicy
 
-    class _Model:
-        name, depth = "eagle3", 5
-
-    class _Pred:
-        meta = {}
-
-        def predict(self, phi):
-            return 4.0
-
-    pol = CostPolicy(_Pred(), model=_Model(), model_token_cost=0.05, model_accept=2.0, adapt=0.2)
+    pol = CostPolicy(constant_predictor(4.0), model=_Eagle(), model_token_cost=0.05, model_accept=2.0, adapt=0.2)
     assert pol.request_accept("a") == 2.0  # the prior
     for _ in range(8):
         m_a = pol.request_accept("a", StepRecord("eagle3", 5, 0, draft_s=0.004, verify_s=0.01))
