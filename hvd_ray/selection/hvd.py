@@ -51,7 +51,9 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
             pol: Policy = TauPolicy(g, cache, drafter, flags, tau=tau)
         elif model_drafter == "eagle3":
             # a one-layer head drafts at a small fraction of a target forward per token (measured
-            # ~0.1-0.15 here); its mean accepted length comes from its held-out training report
+            # ~0.1-0.15 here). The acceptance prior is the training report's all-positions figure,
+            # an optimistic one (prompts included): every request then tries the head early, and its
+            # own model steps take over after a few (CostPolicy.request_accept).
             report = Path(eagle3_head) if eagle3_head else EAGLE3_ASSET
             meta = json.loads((report / "training.json").read_text()) if (report / "training.json").exists() else {}
             accept = meta.get("heldout", {}).get("mean_accepted_tokens_per_forward")
