@@ -451,3 +451,7 @@ def test_history_from_a_trace_folder_seeds_the_global_tree(tmp_path):
     assert plain.speculate("r", 8).token_ids == []  # cold: nothing to draft from
     with pytest.raises(FileNotFoundError, match="no trace folder"):
         past_outputs(tmp_path / "missing")
+    # the server's shared actor (suffix_history) starts from the same outputs (the class, no Ray)
+    from hvd_ray.serving.suffix_actor import SuffixDrafterService
+
+    assert SuffixDrafterService(None, str(tmp_path / "t")).stats()["cached_requests"] == 2
