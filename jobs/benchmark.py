@@ -99,6 +99,12 @@ def prefix_agreement(out: list[int], ref: list[int]) -> float:
     return n / max(len(ref), 1)
 
 
+def empty_row(stats: bool) -> dict:
+    """A (workload, method) accumulator of ``run_interleaved`` (``stats``: the method has engine stats)."""
+    return {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0, "draft_s": 0.0, "cache_steps": 0,
+            "slim_forwards": 0, "decode_s": 0.0, "prefix": 0.0, "identical": 0, "n": 0, "stats": stats}
+
+
 def run_interleaved(runners: dict[str, Runner], prompts, params: SamplingParams, progress: str = "") -> Runs:
     """Every method on a prompt before the next prompt (A B A B ...), batch 1. The first method is
     the reference (greedy): later methods see its output for this prompt as ``ref`` (the live
@@ -115,9 +121,7 @@ def run_interleaved(runners: dict[str, Runner], prompts, params: SamplingParams,
                 ref_out = out
             runs.identical[m].append(out == ref_out)
             runs.outputs[(w, pid, m)] = out
-            acc = runs.rows.setdefault((w, m), {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0,
-                                                "draft_s": 0.0, "cache_steps": 0, "slim_forwards": 0, "decode_s": 0.0,
-                                                "prefix": 0.0, "identical": 0, "n": 0, "stats": stats is not None})
+            acc = runs.rows.setdefault((w, m), empty_row(stats is not None))
             acc["tokens"] += len(out)
             acc["time"] += dt
             acc["prefix"] += prefix_agreement(out, ref_out)
@@ -230,8 +234,7 @@ def bench_engine(args) -> str:
 def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object]:
     """(drafters, policy) for a method name: a drafter ("suffix", "layerskip", "eagle3", with "-tree"
     for tree drafts; the suffix drafter also takes "-f<max_spec_factor>", "-o<max_spec_offset>",
-    "-p<min_token_prob>") or "hvd-<policy>" (suffix +
-    model drafter + selection policy)."""
+    "-p<min_token_prob>") or "hvd-<policy>" (suffix + model drafter + selection policy)."""
     from hvd_ray.drafters import make_drafter
 
     if name.startswith("hvd-"):
@@ -245,7 +248,7 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object
         parts = name.split("-")[1:]
 
         def opt(key: str, default: float) -> float:
-            return next((float(p[1:]) for p in parts if p[:1] == key and p != "tree"), default)
+            return next((float(p[1:]) for p in parts if p[:1] == key), default)
 
         cfg = SuffixConfig(use_tree_spec="tree" in parts, max_spec_factor=opt("f", SuffixConfig.max_spec_factor),
                            max_spec_offset=opt("o", SuffixConfig.max_spec_offset),
@@ -429,11 +432,9 @@ def bench_http(args) -> str:
 def bench_http_servers(args) -> list[tuple[str, str]]:
     """``bench_http`` once per server in ``args.servers`` (``drafter[:suffix_actor_mode]``); writes
     benchmarks/http.md (or ``--out``) when every server ran. Returns (server, markdown) pairs."""
-    import argparse as _argparse
-
     out = []
     for server in args.servers:
-        a = _argparse.Namespace(**vars(args))
+        a = argparse.Namespace(**vars(args))
         a.serve_drafter = server
         try:
             md = bench_http(a)

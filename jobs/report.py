@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmark import ROOT, bench_http_servers, machine_line, prefix_agreement, prompt_ids, run_interleaved
+from benchmark import ROOT, bench_http_servers, empty_row, machine_line, prefix_agreement, prompt_ids, run_interleaved
 from report_methods import NotRun, engine_method_runner, hf_runner, make_engine_method, run_vllm
 
 # workload -> prompt token budget (BFCL multi-turn first turns carry 4-5k tokens of function docs)
@@ -281,10 +281,7 @@ def build_report(args) -> str:
                     not_run[m] = r["error"]
                     continue
                 for (w, pid, ids), (n, dt), out in zip(prompts, r["per_prompt"], r["outputs"]):
-                    acc = rows.setdefault((w, m), {"tokens": 0, "time": 0.0, "prefix": 0.0, "identical": 0, "n": 0,
-                                                   "stats": False, "forwards": 0, "steps": 0, "dec_tokens": 0,
-                                                   "draft_s": 0.0, "cache_steps": 0, "slim_forwards": 0,
-                                                   "decode_s": 0.0})
+                    acc = rows.setdefault((w, m), empty_row(False))
                     ref = runs.outputs[(w, pid, "greedy")]
                     acc["tokens"] += n
                     acc["time"] += dt

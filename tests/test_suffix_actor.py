@@ -148,8 +148,7 @@ def _sync_until(drafter, done, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, drafter.stats()
-        drafter.sync(timeout=0.2)
-        drafter._last_pull = -float("inf")  # pull again right away
+        drafter.sync(timeout=0.2, pull_now=True)
 
 
 def test_mirror_drafts_locally_and_shares_outputs_through_the_actor(ray_local):

@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from itertools import islice
 from typing import Hashable, Sequence
 
 import ray
@@ -72,7 +73,8 @@ class SuffixDrafterService:
         incarnation the client last saw), and the cursor to ask from next time."""
         if incarnation != self.incarnation:
             cursor = 0
-        return self.incarnation, self.published, [t for seq, c, t in self.log if seq >= cursor and c != client]
+        newer = islice(self.log, max(0, len(self.log) - (self.published - cursor)), None)  # seq >= cursor
+        return self.incarnation, self.published, [t for _, c, t in newer if c != client]
 
     def step(self, client: str, ops: list[tuple], asks: list[tuple[str, int]]) -> tuple[str, list]:
         """Apply buffered ``ops`` (("begin", rid, tokens) | ("accept", rid, tokens) | ("end", rid)),
@@ -277,9 +279,10 @@ class MirroredSuffixDrafter(SuffixDrafter):
         """The engine loop is idle: keep the mirror fresh all the same."""
         self.sync()
 
-    def sync(self, timeout: float = 0.0) -> None:
+    def sync(self, timeout: float = 0.0, pull_now: bool = False) -> None:
         """Reap finished publish calls, fold a finished pull into the local global tree, and start
-        the next pull when one is due (``timeout`` > 0 waits that long for the pull, for tests)."""
+        the next pull when one is due (tests: ``timeout`` > 0 waits that long for the pull,
+        ``pull_now`` starts one regardless of the interval)."""
         t0 = time.perf_counter()
         if self._publishing:
             done, self._publishing = ray.wait(self._publishing, num_returns=len(self._publishing), timeout=0)
@@ -302,7 +305,7 @@ class MirroredSuffixDrafter(SuffixDrafter):
                         self.add_to_global(("pulled", self._pulled), tokens)
                     self.received += len(outputs)
                 self._pulling = None
-        elif t0 - self._last_pull >= self.pull_interval_s:
+        elif pull_now or t0 - self._last_pull >= self.pull_interval_s:
             self._last_pull = t0
             self._pulling = self.actor.pull.remote(self.client, self._cursor, self._incarnation)
             self.calls += 1
