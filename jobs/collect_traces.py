@@ -50,7 +50,7 @@ from hvd_ray.traces.collect import (  # noqa: E402
     _ENGINE_HEADROOM, BACKENDS, CollectError, TraceActor, TraceWriter, canonical_dtype, eos_token_ids,
     model_context, model_revision, plan, prepare_prompts, read_traces)
 
-WORKLOAD_CHOICES = ("function_calling", "function_calling_multi", "code", "code_edit", "chat", "all")
+WORKLOAD_CHOICES = ("function_calling", "function_calling_multi", "code", "code_edit", "chat", "all", "bfcl_chat")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

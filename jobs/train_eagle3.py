@@ -38,40 +38,62 @@ from hvd_ray.traces import read_traces  # noqa: E402
 from hvd_ray.workloads import split_of  # noqa: E402
 
 
-def sequences(traces_dir: str, splits: set[str]) -> list[tuple[list[int], int, str]]:
-    """(prompt + output tokens, prompt length, workload) of the traces in ``splits``."""
-    t = read_traces(traces_dir, columns=["prompt_id", "prompt_tokens", "output_tokens", "workload"])
-    return [(r["prompt_tokens"] + r["output_tokens"], len(r["prompt_tokens"]), r["workload"])
-            for r in t.to_pylist() if split_of(r["prompt_id"]) in splits]
+def sequences(traces_dirs: list[str], splits: set[str]) -> list[tuple[list[int], int, str]]:
+    """(prompt + output tokens, prompt length, workload) of the traces in ``splits``, folder by folder."""
+    out = []
+    for traces_dir in traces_dirs:
+        t = read_traces(traces_dir, columns=["prompt_id", "prompt_tokens", "output_tokens", "workload"])
+        out += [(r["prompt_tokens"] + r["output_tokens"], len(r["prompt_tokens"]), r["workload"])
+                for r in t.to_pylist() if split_of(r["prompt_id"]) in splits]
+    return out
 
 
-def features_for(args, name: str, src: str, splits: set[str]) -> list[Path]:
-    """Feature shards of one sequence set, extracted once (``<out>/features/<name>``)."""
-    folder = Path(args.out) / "features" / name
-    if not (folder / "done").exists():
-        seqs = sequences(src, splits)[: args.max_sequences]
-        if not seqs:
-            raise SystemExit(f"no {name} sequences in {src} (splits {sorted(splits)})")
-        target = Transformer.from_pretrained(resolve(args.model), dtype=parse_dtype(args.feature_dtype))
-        taps = taps_for(default_aux_layer_ids(target.cfg.n_layers))
-        print(f"[features] {name}: {len(seqs)} sequences -> {folder}", file=sys.stderr)
-        t0 = time.time()
-        samples = extract_features(target, [s for s, _, _ in seqs], taps, args.max_len, [p for _, p, _ in seqs])
-        write_shards(_progress(samples, len(seqs), name), folder)
-        (folder / "done").write_text(json.dumps({"sequences": len(seqs), "seconds": time.time() - t0,
-                                                 "workloads": [w for _, _, w in seqs]}))
-    return sorted(folder.glob("shard-*.safetensors"))
+def features_for(args, name: str, srcs: list[str], splits: set[str]) -> list[Path]:
+    """Feature shards of one sequence set, extracted once per trace folder
+    (``<out>/features/<name>/<folder name>``), so adding a folder to ``--traces`` extracts only it."""
+    shards: list[Path] = []
+    target = None
+    for src in srcs:
+        folder = Path(args.out) / "features" / name / Path(src).resolve().name
+        if (folder / "done").exists():
+            made_from = json.loads((folder / "done").read_text()).get("source")
+            if made_from != str(Path(src).resolve()):
+                raise SystemExit(f"{folder} holds features of {made_from}, not of {src}: use another --out")
+        else:
+            seqs = sequences([src], splits)[: args.max_sequences]
+            if not seqs:
+                raise SystemExit(f"no {name} sequences in {src} (splits {sorted(splits)})")
+            if target is None:
+                target = Transformer.from_pretrained(resolve(args.model), dtype=parse_dtype(args.feature_dtype))
+            taps = taps_for(default_aux_layer_ids(target.cfg.n_layers))
+            print(f"[features] {name}: {len(seqs)} sequences of {src} -> {folder}", file=sys.stderr)
+            t0 = time.time()
+            samples = extract_features(target, [s for s, _, _ in seqs], taps, args.max_len, [p for _, p, _ in seqs])
+            write_shards(_progress(samples, len(seqs), name), folder)
+            (folder / "done").write_text(json.dumps({"sequences": len(seqs), "seconds": time.time() - t0,
+                                                     "source": str(Path(src).resolve()),
+                                                     "workloads": [w for _, _, w in seqs]}))
+        shards += sorted(folder.glob("shard-*.safetensors"))
+    return shards
 
 
 def shard_workloads(shards: list[Path]) -> list[str] | None:
-    """Each sequence's workload, in shard order (None for feature folders from before they were kept)."""
-    done = json.loads((shards[0].parent / "done").read_text()) if shards else {}
-    return done.get("workloads")
+    """Each sequence's workload, in shard order (None if a feature folder predates keeping them)."""
+    out: list[str] = []
+    for folder in dict.fromkeys(p.parent for p in shards):  # folders in shard order
+        workloads = json.loads((folder / "done").read_text()).get("workloads")
+        if workloads is None:
+            return None
+        out += workloads
+    return out
 
 
 def draft_vocab(args, shards: list[Path]) -> list[int]:
     """The reduced draft vocabulary: the most frequent target predictions on the training set."""
     vocab_file = Path(args.out) / "features" / "draft_vocab.json"
+    if args.init:  # a fine-tuned head keeps the vocabulary its weights were trained for
+        head = Eagle3Head.load(args.init, Transformer.from_pretrained(resolve(args.model), dtype=torch.float32))
+        return head.to_target_ids(torch.arange(head.cfg.draft_vocab_size)).tolist()
     if not vocab_file.exists():
         counts = None
         for p in shards:
@@ -107,7 +129,10 @@ def train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     target = Transformer.from_pretrained(config["model_folder"], dtype=torch.float32, device=device)
-    head = Eagle3Head.from_target(target, config["vocab"], seed=config["seed"], dtype=torch.float32)
+    if config["init"]:  # fine-tune an existing head (its draft vocabulary is kept: see draft_vocab)
+        head = Eagle3Head.load(config["init"], target, dtype=torch.float32)
+    else:
+        head = Eagle3Head.from_target(target, config["vocab"], seed=config["seed"], dtype=torch.float32)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config["lr"], weight_decay=0.0)
     epoch0, step = 0, 0
@@ -176,7 +201,7 @@ def fit(args, train_shards: list[Path], vocab: list[int]):
     config = {"model_folder": str(resolve(args.model)), "vocab": vocab, "shards": [str(p) for p in train_shards],
               "lr": args.lr, "epochs": args.epochs, "steps": args.ttt_steps, "seed": args.seed,
               "minutes": args.minutes, "threads": args.threads, "report_every": 20,
-              "prompt_weight": args.prompt_weight}
+              "prompt_weight": args.prompt_weight, "init": str(Path(args.init).resolve()) if args.init else None}
     run = RunConfig(name="eagle3", storage_path=str(storage),
                     checkpoint_config=CheckpointConfig(num_to_keep=2))
     scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,
@@ -239,8 +264,10 @@ def evaluate(head: Eagle3Head, shards: list[Path], depth: int = 5, workloads: li
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", required=True, help="trace directory (collect_traces output)")
-    ap.add_argument("--heldout", default=None, help="held-out traces (default: --traces' validation/test split)")
+    ap.add_argument("--traces", required=True, nargs="+", help="trace directories (collect_traces output); "
+                    "their train split is trained on")
+    ap.add_argument("--heldout", default=None, nargs="+",
+                    help="held-out trace directories (default: --traces' validation/test split)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="default")
     ap.add_argument("--draft-vocab", type=int, default=8192)
@@ -260,6 +287,8 @@ def main() -> None:
     ap.add_argument("--use-gpu", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--init", default=None, metavar="HEAD_DIR",
+                    help="start from this head's weights and draft vocabulary (fine-tuning) instead of from scratch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -7,6 +7,7 @@ import torch
 from hvd_ray.drafters.eagle3 import Eagle3Head
 from hvd_ray.drafters.eagle3_train import extract_features, read_shard, ttt_logits, ttt_loss, write_shards
 from hvd_ray.model.transformer import Transformer
+from hvd_ray.workloads import split_of
 
 
 def test_ttt_unroll_matches_cached_drafting(tiny_llama, tmp_path):
@@ -75,18 +76,22 @@ def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
                      "model_id": "tiny", "model_revision": "x", "backend": "hvd_ray", "decoding": "{}",
                      "prefill_s": 0.0, "decode_s": 0.0, "created_at": datetime.now(timezone.utc),
                      "topk_ids": None, "topk_logprobs": None})
-    traces = tmp_path / "traces"
-    traces.mkdir()
-    pq.write_table(pa.Table.from_pylist(rows, schema=TRACE_SCHEMA), traces / "part-0.parquet")
+    folders = [tmp_path / "traces-a", tmp_path / "traces-b"]  # two trace folders, trained on together
+    for k, folder in enumerate(folders):
+        folder.mkdir()
+        pq.write_table(pa.Table.from_pylist(rows[k::2], schema=TRACE_SCHEMA), folder / "part-0.parquet")
     out = tmp_path / "head"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", str(traces), "--out", str(out),
-                          "--model", str(tiny_llama), "--epochs", "6", "--minutes", "3", "--draft-vocab", "64",
-                          "--max-len", "64", "--threads", "1", "--lr", "3e-3", "--feature-dtype", "float32"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    common = ["--model", str(tiny_llama), "--minutes", "3", "--draft-vocab", "64", "--max-len", "64",
+              "--threads", "1", "--lr", "3e-3", "--feature-dtype", "float32"]
+    res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", *map(str, folders), "--out", str(out),
+                          "--epochs", "6", *common], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     meta = json.loads((out / "training.json").read_text())
+    per_folder = [json.loads((out / "features" / "train" / f.name / "done").read_text()) for f in folders]
+    assert [d["source"] for d in per_folder] == [str(f.resolve()) for f in folders]
+    assert sum(d["sequences"] for d in per_folder) == sum(split_of(r["prompt_id"]) == "train" for r in rows)
     losses = meta["loss_history"]
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert 0 <= meta["heldout"]["per_position_acceptance"][0] <= 1
@@ -95,6 +100,16 @@ def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
     trained = Eagle3Head.load(os.path.join(meta["checkpoint"], "head"), target, dtype=torch.float32)
     for (n, a), (_, b) in zip(shipped.state_dict().items(), trained.state_dict().items()):
         assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2), n  # bf16 export of the same weights
+
+    # --init fine-tunes that head: same draft vocabulary, and it starts where the first run ended
+    tuned = tmp_path / "tuned"
+    res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", *map(str, folders), "--out", str(tuned),
+                          "--init", os.path.join(meta["checkpoint"], "head"), "--epochs", "1", *common],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    again = Eagle3Head.load(tuned, target, dtype=torch.float32)
+    assert torch.equal(again.d2t, shipped.d2t)
+    assert json.loads((tuned / "training.json").read_text())["loss_history"][0] < 0.7 * losses[0]
 
 
 def test_prompt_positions_weigh_prompt_weight(tiny_llama):

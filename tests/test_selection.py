@@ -298,6 +298,22 @@ def test_cost_policy_judges_the_model_per_request_and_calibrates_the_cache():
     view = StepView(np.zeros(3, np.float32), cache_len=0, model_len=5)
     assert pol.decide(view, None, m_a)[0] == NONE and pol.decide(view, None, 2.0)[0] == MODEL
 
+    # an empty model draft (the head's confidence floor cut it) shortens that request's drafts only
+    empty = StepRecord("eagle3", 0, 0, draft_s=0.001, verify_s=0.01)
+    pol.learn(empty)
+    m_c = pol.request_accept("c", empty)
+    assert pol.request_len("c", 5) == pytest.approx(2 * 5 / 3) and pol.request_len("d", 5) is None
+    pol.request_accept("d")
+    assert pol.request_len("d", 5) == 5.0
+    assert pol.decide(view, None, 2.0, pol.request_len("d", 5))[0] == MODEL  # the next request still tries it
+    assert pol.decide(view, None, m_c, pol.request_len("c", 5))[0] == MODEL  # one empty draft is one of three
+    fresh = CostPolicy(constant_predictor(0.0), model=_Eagle(), model_token_cost=0.05, model_accept=2.0, adapt=0.2)
+    fresh.learn(empty)  # the very first model step came back empty
+    fresh.request_accept("x", empty)
+    assert fresh.model_len_seen == 0.0 and fresh.decide(view, None, 2.0)[0] == NONE  # a global length prices it out
+    fresh.request_accept("y")
+    assert fresh.decide(view, None, 2.0, fresh.request_len("y", 5))[0] == MODEL
+
     for _ in range(40):  # global-tree drafts get half of what the predictor promises
         pol.learn(StepRecord("suffix-global", 8, 2, draft_s=0.0, verify_s=0.012, predicted=4.0))
     assert pol.cache_scale["suffix-global"] == pytest.approx(0.5, rel=0.05)

@@ -22,6 +22,7 @@ from hvd_ray.workloads import (  # noqa: E402
     DatasetNotInstalledError,
     Prompt,
     load_bfcl,
+    load_bfcl_chat,
     load_bfcl_multi_turn,
     load_humaneval,
     load_mtbench,
@@ -94,6 +95,20 @@ def test_bfcl_single_turn_counts_and_ground_truth():
         {"calculate_triangle_area": {"base": [10], "height": [5], "unit": ["units", ""]}}
     ]
     assert all(p.meta["ground_truth"] is None for p in load_bfcl("irrelevance"))
+
+
+def test_bfcl_questions_asked_as_chat():
+    chat = load_bfcl_chat()
+    assert len(chat) == len({p.messages[0]["content"] for p in chat}) > 3000  # deduplicated by text
+    assert load_workload("bfcl_chat") == chat and load_workload("chat") == load_mtbench()  # a pool, not the workload
+    fc = {p.id: p for c in BFCL_SINGLE_TURN for p in load_bfcl(c)}
+    for p in chat:
+        assert p.workload == "chat" and [m["role"] for m in p.messages] == ["user"]  # no tools, no system prompt
+        original = fc[p.id.removesuffix("/chat")]
+        assert p.messages[0]["content"] == [m for m in original.messages if m["role"] == "user"][-1]["content"]
+        assert p.split == original.split  # a held-out function-calling question is never trained on as chat
+    assert {p.split for p in chat} == set(SPLITS)
+    assert not any(p.id.endswith("/chat") for p in load_workload("all"))
 
 
 def test_bfcl_system_prompts_list_the_functions():

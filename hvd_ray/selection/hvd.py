@@ -56,7 +56,8 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
             # own model steps take over after a few (CostPolicy.request_accept).
             report = Path(eagle3_head) if eagle3_head else EAGLE3_ASSET
             meta = json.loads((report / "training.json").read_text()) if (report / "training.json").exists() else {}
-            accept = meta.get("heldout", {}).get("mean_accepted_tokens_per_forward")
+            heldout = meta.get("heldout", {})
+            accept = heldout.get("all_positions", heldout).get("mean_accepted_tokens_per_forward")
             pol = CostPolicy(g, cache, drafter, flags, model_token_cost=0.15,
                              model_accept=(accept - 1.0) if accept else None)
         else:

@@ -185,10 +185,12 @@ class CostPolicy(Policy):
     priors only matter until the first model steps; an optimistic prior makes the policy try the
     model drafter and learn what it is worth here, on this hardware.
 
-    The model's acceptance is judged per request: each request starts from the prior (worth
-    ``prior_steps`` model steps) and moves to its own mean as its model steps come in. A global
-    average would let one workload (long function-calling prompts the head drafts poorly) price the
-    model out for the next (code, where it pays), and a priced-out drafter is never re-measured.
+    The model's acceptance and draft length are judged per request: each request starts from the
+    prior (worth ``prior_steps`` model steps; the nominal length for drafts) and moves to its own
+    means as its model steps come in. A global average would let one workload (long function-calling
+    prompts the head drafts poorly, or one chat draft cut to nothing by the head's confidence floor)
+    price the model out for the next (code, where it pays), and a priced-out drafter is never
+    re-measured.
     The cache side is calibrated per tree (request / global): measured accepted over predicted.
     """
 
@@ -205,7 +207,7 @@ class CostPolicy(Policy):
             raise ValueError(f"adapt must be in [0, 1], got {adapt}")
         self.model_accept, self.adapt = model_accept, adapt
         self.prior_accept, self.prior_steps = model_accept, prior_steps
-        self._per_req: OrderedDict[str, list[float]] = OrderedDict()  # req -> [model steps, accepted]
+        self._per_req: OrderedDict[str, list[float]] = OrderedDict()  # req -> [model steps, accepted, drafted]
         # cache side: measured accepted / predicted on verified cache drafts, per tree (request /
         # global), so a predictor that is biased on this workload is corrected online
         self.cache_scale: dict[str, float] = {}
@@ -215,14 +217,15 @@ class CostPolicy(Policy):
         self.forward_s: float | None = None  # measured time of a one-token target forward
 
     def rates(self, view: StepView, y: float, tree: str | None = None,
-              model_accept: float | None = None) -> dict[str, float]:
+              model_accept: float | None = None, model_len: float | None = None) -> dict[str, float]:
         r = {NONE: 1.0 / verify_cost(1, self.table)}
         if view.cache_len > 0:
             y = max(y, 0.0) * self.cache_scale.get(tree, 1.0)
             r[CACHE] = (min(y, view.cache_len) + 1) / verify_cost(1 + view.cache_len, self.table)
         k = view.model_len
         if k > 0:
-            kk = min(self.model_len_seen, k) if self.model_len_seen is not None else k
+            seen = model_len if model_len is not None else self.model_len_seen
+            kk = min(seen, k) if seen is not None else k
             draft = self.model_draft_cost if self.model_draft_cost is not None else k * self.model_token_cost
             m = self.model_accept if model_accept is None else model_accept
             r[MODEL] = (min(m, kk) + 1) / (verify_cost(1 + kk, self.table) + draft)
@@ -255,9 +258,10 @@ class CostPolicy(Policy):
                     cur = max(1.0, self.model_len_seen) * self.model_token_cost
                 self.model_draft_cost = ema(cur, min(rec.draft_s / self.forward_s, 3.0 * cur))
 
-    def decide(self, view, tree: str | None = None, model_accept: float | None = None):
+    def decide(self, view, tree: str | None = None, model_accept: float | None = None,
+               model_len: float | None = None):
         y = float(self.predictor.predict(view.phi)) if view.cache_len > 0 else 0.0
-        r = self.rates(view, y, tree, model_accept)
+        r = self.rates(view, y, tree, model_accept, model_len)
         return max(r, key=r.get), y
 
     def request_accept(self, req_id: str, rec=None) -> float:
@@ -265,15 +269,24 @@ class CostPolicy(Policy):
         steps, averaged with the request's own model steps (``rec``: its latest step record)."""
         st = self._per_req.get(req_id)
         if st is None:
-            st = self._per_req[req_id] = [0.0, 0.0]
+            st = self._per_req[req_id] = [0.0, 0.0, 0.0]
             while len(self._per_req) > 4096:  # finished requests age out
                 self._per_req.popitem(last=False)
         if rec is not None and self.model is not None and rec.source == getattr(self.model, "name", None):
             st[0] += 1
             st[1] += rec.accepted
+            st[2] += rec.drafted
         if self.adapt == 0.0:
             return self.model_accept
         return (self.prior_steps * self.prior_accept + st[1]) / (self.prior_steps + st[0])
+
+    def request_len(self, req_id: str, nominal: int) -> float | None:
+        """The model drafts' expected length for one request (after ``request_accept`` saw its
+        latest record): the nominal length, worth ``prior_steps`` drafts, averaged with its own."""
+        st = self._per_req.get(req_id)
+        if st is None or self.adapt == 0.0:
+            return None
+        return (self.prior_steps * nominal + st[2]) / (self.prior_steps + st[0])
 
     def __call__(self, req, engine):
         rec = req.stats.steps[-1] if req.stats.steps else None  # each record is seen once
@@ -281,7 +294,7 @@ class CostPolicy(Policy):
             self.learn(rec)
         m = self.request_accept(req.req_id, rec)
         view, draft = self.observe(req, engine)
-        return self._choice(*self.decide(view, draft.source, m), draft)
+        return self._choice(*self.decide(view, draft.source, m, self.request_len(req.req_id, view.model_len)), draft)
 
 
 class OraclePolicy(Policy):

@@ -58,6 +58,8 @@ BFCL_MULTI_TURN = (
     "multi_turn_long_context",
 )
 DEFAULT_BFCL_MULTI_TURN = ("multi_turn_base",)
+# Prompt sets for training only (their prompts carry a benchmark workload, here "chat"); "all" skips them.
+TRAINING_POOLS = ("bfcl_chat",)
 
 # Function docs of the multi-turn backends (bfcl_eval/constants/executable_backend_config.py).
 _BFCL_CLASS_DOCS = {
@@ -264,6 +266,32 @@ def load_bfcl_multi_turn(category: str = "multi_turn_base") -> list[Prompt]:
 # HumanEval (code)
 
 
+def load_bfcl_chat() -> list[Prompt]:
+    """BFCL's single-turn user questions asked as plain chat (no tools, no system prompt).
+
+    MT-Bench has only 80 questions, too few to train a drafter on the target's conversational
+    answers; BFCL's ~3,000 single-turn questions (live ones from real users) are more. Ids are
+    ``bfcl/<category>/<bfcl id>/chat``, which share the split of the function-calling prompt of the
+    same question (see :func:`~hvd_ray.workloads.prompts.split_of`), so a held-out function-calling
+    question is never trained on as chat. Questions are deduplicated by text, first one kept. A
+    training pool, not a benchmark workload: ``load_workload("chat")`` stays MT-Bench.
+    """
+    seen: set[str] = set()
+    groups = []
+    for category in BFCL_SINGLE_TURN:
+        group = []
+        for row in _read_jsonl(_data_file("bfcl", f"BFCL_v4_{category}.json")):
+            users = [m for m in row["question"][0] if m["role"] == "user" and m["content"].strip()]
+            if not users or users[-1]["content"] in seen:
+                continue
+            seen.add(users[-1]["content"])
+            group.append(Prompt(id=f"bfcl/{category}/{row['id']}/chat", workload="chat",
+                                messages=[{"role": "user", "content": users[-1]["content"]}],
+                                meta={"dataset": "bfcl", "category": category, "bfcl_id": row["id"], "as_chat": True}))
+        groups.append(group)
+    return _interleave(groups)
+
+
 def load_humaneval() -> list[Prompt]:
     """The 164 HumanEval problems; ``raw`` is the code prompt, ``meta`` has test and solution."""
     prompts = []
@@ -381,7 +409,9 @@ def _workload_prompts(name: str, categories: Sequence[str] | None) -> list[Promp
         return load_code_edit()
     if name == "chat":
         return load_mtbench()
-    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS + ('all',)}")
+    if name == "bfcl_chat":
+        return load_bfcl_chat()
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS + ('all',) + TRAINING_POOLS}")
 
 
 def load_workload(
