@@ -109,7 +109,8 @@ def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     again = Eagle3Head.load(tuned, target, dtype=torch.float32)
     assert torch.equal(again.d2t, shipped.d2t)
-    assert json.loads((tuned / "training.json").read_text())["loss_history"][0] < 0.7 * losses[0]
+    start = json.loads((tuned / "training.json").read_text())["loss_history"][0]
+    assert abs(start - losses[-1]) < abs(start - losses[0]), (losses, start)  # near where the first run ended
 
 
 def test_prompt_positions_weigh_prompt_weight(tiny_llama):
