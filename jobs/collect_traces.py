@@ -49,8 +49,9 @@ if str(ROOT) not in sys.path:
 from hvd_ray.traces.collect import (  # noqa: E402
     _ENGINE_HEADROOM, BACKENDS, CollectError, TraceActor, TraceWriter, canonical_dtype, eos_token_ids,
     model_context, model_revision, plan, prepare_prompts, read_traces)
+from hvd_ray.workloads import TRAINING_POOLS, WORKLOADS  # noqa: E402
 
-WORKLOAD_CHOICES = ("function_calling", "function_calling_multi", "code", "code_edit", "chat", "all", "bfcl_chat")
+WORKLOAD_CHOICES = (*WORKLOADS, "all", *TRAINING_POOLS)  # bfcl_chat: BFCL questions asked as chat
 
 
 def parse_args(argv=None) -> argparse.Namespace:

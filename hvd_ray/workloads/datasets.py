@@ -262,15 +262,11 @@ def load_bfcl_multi_turn(category: str = "multi_turn_base") -> list[Prompt]:
     return prompts
 
 
-# ---------------------------------------------------------------------------------------------
-# HumanEval (code)
-
-
 def load_bfcl_chat() -> list[Prompt]:
     """BFCL's single-turn user questions asked as plain chat (no tools, no system prompt).
 
     MT-Bench has only 80 questions, too few to train a drafter on the target's conversational
-    answers; BFCL's ~3,000 single-turn questions (live ones from real users) are more. Ids are
+    answers; BFCL's 3,401 distinct single-turn questions (the live ones from real users) are more. Ids are
     ``bfcl/<category>/<bfcl id>/chat``, which share the split of the function-calling prompt of the
     same question (see :func:`~hvd_ray.workloads.prompts.split_of`), so a held-out function-calling
     question is never trained on as chat. Questions are deduplicated by text, first one kept. A
@@ -290,6 +286,10 @@ def load_bfcl_chat() -> list[Prompt]:
                                 meta={"dataset": "bfcl", "category": category, "bfcl_id": row["id"], "as_chat": True}))
         groups.append(group)
     return _interleave(groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# HumanEval (code)
 
 
 def load_humaneval() -> list[Prompt]:
