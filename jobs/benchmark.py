@@ -258,13 +258,14 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object
     return [make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len, tree=tree)], None
 
 
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 SPEC_RAW_KEYS = ("tokens", "time", "forwards", "steps", "dec_tokens", "draft_s", "cache_steps")
 
 
 def bench_spec(args) -> str:
     """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s."""
-    model, tok = load("default", "bfloat16")
-    n_per = 3 if args.quick else 6
+    model, tok = load("default", args.dtype)
+    n_per = args.prompts or (3 if args.quick else 6)
     prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens)
     max_len = args.max_prompt_tokens + args.max_tokens + 64
     methods: dict[str, tuple[list, object]] = {"greedy": ([], None)}
@@ -291,7 +292,7 @@ def bench_spec(args) -> str:
         "",
         f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`  ",
         f"Machine: {machine_line()}  ",
-        f"Model: SmolLM2-135M-Instruct, bf16, greedy, up to {args.max_tokens} new tokens, "
+        f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, up to {args.max_tokens} new tokens, "
         f"{n_per} held-out (test split) prompts per workload of <= {args.max_prompt_tokens} tokens, "
         f"draft budget {args.num_draft_tokens} tokens (`-tree` = tree drafts); "
         "every method runs on a prompt before the next prompt (interleaved). The suffix drafter's global "
@@ -318,7 +319,8 @@ def bench_spec(args) -> str:
             lines.append(f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
                          f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
                          f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% |")
-    lines += ["", "Outputs identical to greedy (bf16; batch-shape rounding may flip near-ties): " +
+    lines += ["", f"Outputs identical to greedy ({DTYPE_NAMES[args.dtype]}"
+              + ("; batch-shape rounding may flip near-ties" if args.dtype != "float32" else "") + "): " +
               ", ".join(f"{m} {sum(v)}/{len(v)}" for m, v in identical.items() if m != "greedy"), ""]
     return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(
         {f"{w}/{m}": {k: v[k] for k in SPEC_RAW_KEYS} for (w, m), v in rows.items()}, indent=1) + "\n```\n</details>\n"
@@ -466,6 +468,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_NAMES),
+                    help="spec mode: float32 makes every method decode the same tokens (lossless), so MAT "
+                         "and forwards compare exactly across drafters and heads; bf16 is what serving runs")
+    ap.add_argument("--prompts", type=int, default=None, help="spec mode: prompts per workload (default 6)")
     ap.add_argument("--out", default=None, help="markdown file to write (default benchmarks/<mode>.md)")
     from report import add_args, main_report
 

@@ -132,7 +132,8 @@ def train_loop(config: dict) -> None:
     if config["init"]:  # fine-tune an existing head (its draft vocabulary is kept: see draft_vocab)
         head = Eagle3Head.load(config["init"], target, dtype=torch.float32)
     else:
-        head = Eagle3Head.from_target(target, config["vocab"], seed=config["seed"], dtype=torch.float32)
+        head = Eagle3Head.from_target(target, config["vocab"], seed=config["seed"], dtype=torch.float32,
+                                      warm_start=config["warm_start"])
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config["lr"], weight_decay=0.0)
     epoch0, step = 0, 0
@@ -201,7 +202,7 @@ def fit(args, train_shards: list[Path], vocab: list[int]):
     config = {"model_folder": str(resolve(args.model)), "vocab": vocab, "shards": [str(p) for p in train_shards],
               "lr": args.lr, "epochs": args.epochs, "steps": args.ttt_steps, "seed": args.seed,
               "minutes": args.minutes, "threads": args.threads, "report_every": 20,
-              "prompt_weight": args.prompt_weight, "init": str(Path(args.init).resolve()) if args.init else None}
+              "prompt_weight": args.prompt_weight, "warm_start": args.head_init == "target", "init": str(Path(args.init).resolve()) if args.init else None}
     run = RunConfig(name="eagle3", storage_path=str(storage),
                     checkpoint_config=CheckpointConfig(num_to_keep=2))
     scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,
@@ -289,6 +290,9 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--init", default=None, metavar="HEAD_DIR",
                     help="start from this head's weights and draft vocabulary (fine-tuning) instead of from scratch")
+    ap.add_argument("--head-init", choices=["target", "random"], default="target",
+                    help="a new head starts from the target's output layer and late features (target) "
+                         "or from noise (random: the recipe of the v1 head)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

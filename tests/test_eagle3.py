@@ -163,6 +163,22 @@ def test_d2t_t2d_map_the_draft_vocab_into_the_target_vocab(target):
         d.end("r")
 
 
+def test_a_warm_started_head_decodes_the_targets_high_tap(target):
+    """``warm_start``: before any training the head is the target's own output layer (restricted to
+    the draft vocabulary) over its highest tap, whatever the token and the other taps say."""
+    ids = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(6))[:50].tolist())
+    head = Eagle3Head.from_target(target, ids, seed=3, warm_start=True)
+    assert torch.equal(head.lm_head.weight, target.output.weight[torch.tensor(ids)])
+    H = target.cfg.dim
+    taps = torch.randn(1, 7, 3 * H, generator=torch.Generator().manual_seed(7))
+    tokens = torch.tensor([prompt_ids(7, 8)])
+    logits = head.teacher_forward(tokens, taps)
+    expected = target.norm(taps[..., 2 * H:]) @ target.output.weight[torch.tensor(ids)].T
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    cold = Eagle3Head.from_target(target, ids, seed=3)
+    assert not torch.allclose(cold.teacher_forward(tokens, taps), expected, atol=1e-2)
+
+
 # ----------------------------------------------------------------------------------- drafting
 def test_chain_drafting_incrementally_equals_recomputing(target):
     head = Eagle3Head.from_target(target, draft_vocab_size=256, seed=3)
