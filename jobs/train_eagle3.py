@@ -7,6 +7,10 @@
     python jobs/train_eagle3.py --traces ~/.cache/hvd_ray/traces/train-v1 --out heads/eagle3-smollm2 \
         --minutes 60 [--workers 1 --use-gpu] [--resume]
 
+A new head starts from the target (``--head-init target``): the target's output rows for the draft
+vocabulary over its highest tap, so training refines a working decoder instead of learning an
+8k-row output layer from noise (``benchmarks/eagle3_retrain.md``: better held-out acceptance).
+
 Stages are resumable: features are cached under ``<out>/features`` and training checkpoints under
 ``<out>/ray_train``; ``--resume`` continues from the latest checkpoint. Held-out traces (the
 validation split, or ``--heldout DIR``) give the per-position acceptance report.

@@ -320,3 +320,30 @@ def test_cost_policy_judges_the_model_per_request_and_calibrates_the_cache():
     assert "suffix-request" not in pol.cache_scale
     both = StepView(np.zeros(3, np.float32), cache_len=8, model_len=5)
     assert pol.rates(both, 4.0, "suffix-global")["cache"] < pol.rates(both, 4.0, "suffix-request")["cache"]
+
+
+@pytest.mark.parametrize("report", ["all_positions", "response_only", "none"])
+def test_hvd_cost_prior_reads_the_heads_training_report(tmp_path, report):
+    """The cost policy's acceptance prior for an EAGLE-3 head is its training report's
+    all-positions held-out MAT (optimistic on purpose: every request tries the head early), the
+    headline figure for a report without it, and the predictor's training mean for a head without
+    a report."""
+    from transformers import AutoTokenizer
+
+    from hvd_ray.drafters.eagle3 import Eagle3Head
+    from hvd_ray.selection.hvd import build_hvd
+
+    s = tiny_setup()
+    model = Transformer.from_pretrained(s["folder"], dtype=torch.float32)
+    Eagle3Head.from_target(model, draft_vocab_size=64, seed=0).save(tmp_path)
+    heldout = {"mean_accepted_tokens_per_forward": 1.8}
+    if report == "all_positions":
+        heldout["all_positions"] = {"mean_accepted_tokens_per_forward": 3.1}
+    if report != "none":
+        (tmp_path / "training.json").write_text(json.dumps({"heldout": heldout}))
+    drafters, pol = build_hvd(model, AutoTokenizer.from_pretrained(s["tokenizer"]), policy="cost",
+                              model_drafter="eagle3", eagle3_head=str(tmp_path), slots=1, max_len=256)
+    assert isinstance(pol, CostPolicy) and pol.model is drafters[1]
+    expected = {"all_positions": 2.1, "response_only": 0.8,
+                "none": float(pol.predictor.meta.get("model_mean_accept", 1.0))}[report]
+    assert pol.prior_accept == pytest.approx(expected)
