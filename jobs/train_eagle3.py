@@ -206,7 +206,8 @@ def fit(args, train_shards: list[Path], vocab: list[int]):
     config = {"model_folder": str(resolve(args.model)), "vocab": vocab, "shards": [str(p) for p in train_shards],
               "lr": args.lr, "epochs": args.epochs, "steps": args.ttt_steps, "seed": args.seed,
               "minutes": args.minutes, "threads": args.threads, "report_every": 20,
-              "prompt_weight": args.prompt_weight, "warm_start": args.head_init == "target", "init": str(Path(args.init).resolve()) if args.init else None}
+              "prompt_weight": args.prompt_weight, "warm_start": args.head_init == "target",
+              "init": str(Path(args.init).resolve()) if args.init else None}
     run = RunConfig(name="eagle3", storage_path=str(storage),
                     checkpoint_config=CheckpointConfig(num_to_keep=2))
     scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,

@@ -420,7 +420,7 @@ class Eagle3Head(nn.Module):
         dtype: torch.dtype | None = None,
         warm_start: bool = False,
     ) -> "Eagle3Head":
-        """A randomly initialised head shaped for ``target`` (same width, heads and RoPE).
+        """A new head shaped for ``target`` (same width, heads and RoPE): random, or warm-started.
 
         The draft vocabulary is ``draft_vocab_ids`` (sorted, deduplicated) or the first
         ``draft_vocab_size`` ids (default: the whole target vocabulary). ``warm_start`` starts
