@@ -1,4 +1,4 @@
-"""Prompt sets: packaged datasets (BFCL, HumanEval, MT-Bench), users' files, splits, rendering."""
+"""Prompt sets: packaged datasets (BFCL, HumanEval, MT-Bench), users' files, self-written chat, splits, rendering."""
 
 from .datasets import (
     BFCL_MULTI_TURN,
