@@ -9,6 +9,9 @@ The target sees only its chat template up to a user turn and samples the message
 top-p, one seed per sample, so a run is reproducible). Samples that run past the turn, are too
 short or too long, or repeat an earlier one are dropped. Rows are appended as they are accepted,
 so a stopped run resumes where it left off (``--count`` is the total wanted).
+
+``--openers "Imagine you are" "Solve"`` starts sample i's message with opener i mod n, to steer
+the prompts towards a kind of request (role-play, arithmetic, ...) that free sampling rarely writes.
 """
 
 from __future__ import annotations
@@ -39,9 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="first sample's seed; sample i uses seed + i")
     p.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
+    p.add_argument("--openers", nargs="+", default=None,
+                   help="words each message starts with, in turn (sample i gets opener i mod n)")
     args = p.parse_args(argv)
     if args.count < 1 or args.batch_size < 1 or args.max_tokens < 1:
         p.error("--count, --batch-size and --max-tokens must be >= 1")
+    if args.openers and any(not o.strip() for o in args.openers):
+        p.error("--openers must be non-empty strings")
     return args
 
 
@@ -73,8 +80,10 @@ def main(argv=None) -> int:
         print(f"{out}: already {len(keys)} prompts (>= --count {args.count})")
         return 0
     model, tok = load(args.model, dtype=args.dtype)
-    prefix = tok(user_turn_prefix(tok), add_special_tokens=False)["input_ids"]
-    engine = Engine(model, max_batch=args.batch_size, max_len=len(prefix) + args.max_tokens + 16)
+    openers = [o.strip() for o in args.openers] if args.openers else [""]
+    prefixes = [tok(user_turn_prefix(tok) + o, add_special_tokens=False)["input_ids"] for o in openers]
+    engine = Engine(model, max_batch=args.batch_size,
+                    max_len=max(map(len, prefixes)) + args.max_tokens + 16)
     t0, drawn, kept0 = time.time(), 0, len(keys)
     with open(out, "a", encoding="utf-8") as f:
         while len(keys) < args.count:
@@ -84,15 +93,21 @@ def main(argv=None) -> int:
             seeds = range(sample, sample + args.batch_size)
             params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                      top_p=args.top_p, seed=args.seed + s) for s in seeds]
-            reqs = engine.generate([prefix] * len(params), params)
+            reqs = engine.generate([prefixes[s % len(openers)] for s in seeds], params)
             for s, req in zip(seeds, reqs):
-                text = clean_query(tok.decode(req.output, skip_special_tokens=True)) \
+                opener = openers[s % len(openers)]
+                sampled = tok.decode(req.output, skip_special_tokens=True)
+                text = clean_query(f"{opener} {sampled.lstrip()}" if opener else sampled) \
                     if req.finish_reason == "stop" else None
                 if text is None or dedup_key(text) in keys or len(keys) >= args.count:
                     continue
                 keys.add(dedup_key(text))
-                f.write(json.dumps({"id": f"self_chat/{args.seed + s}", "prompt": text, "workload": "chat",
-                                    "sample": s, "source": "self_chat"}, ensure_ascii=False) + "\n")
+                slug = "/" + "-".join(dedup_key(opener).split()) if opener else ""
+                row = {"id": f"self_chat{slug}/{args.seed + s}", "prompt": text, "workload": "chat",
+                       "sample": s, "source": "self_chat"}
+                if opener:
+                    row["opener"] = opener
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             sample += args.batch_size
             drawn += len(params)

@@ -58,6 +58,19 @@ def test_generation_writes_usable_prompts_and_resumes(tmp_path):
     assert all(clean_query(p.messages[-1]["content"]) == p.messages[-1]["content"] for p in prompts)
 
 
+def test_openers_steer_each_sample_in_turn(tmp_path):
+    out = tmp_path / "steered.jsonl"
+    assert _job().main(["--out", str(out), "--count", "4", "--batch-size", "8", "--max-tokens", "64",
+                        "--openers", "Imagine you are", "Solve"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4
+    for r in rows:
+        opener = ("Imagine you are", "Solve")[r["sample"] % 2]
+        assert r["opener"] == opener and r["prompt"].startswith(opener + " ")
+        assert r["id"] == f"self_chat/{dedup_key(opener).replace(' ', '-')}/{r['sample']}"
+
+
 def test_bad_arguments_are_refused(tmp_path):
-    with pytest.raises(SystemExit):
-        _job().main(["--out", str(tmp_path / "x.jsonl"), "--count", "0"])
+    for bad in (["--count", "0"], ["--openers", "Solve", " "]):
+        with pytest.raises(SystemExit):
+            _job().main(["--out", str(tmp_path / "x.jsonl"), *bad])
