@@ -289,30 +289,31 @@ def test_cost_policy_judges_the_model_per_request_and_calibrates_the_cache():
     from hvd_ray.engine.request import StepRecord
 
     pol = CostPolicy(constant_predictor(4.0), model=_Eagle(), model_token_cost=0.05, model_accept=2.0, adapt=0.2)
-    assert pol.request_accept("a") == 2.0  # the prior
+    assert pol.request_model("a", 5) == (2.0, 5.0)  # the priors
     for _ in range(8):
-        m_a = pol.request_accept("a", StepRecord("eagle3", 5, 0, draft_s=0.004, verify_s=0.01))
+        m_a, _ = pol.request_model("a", 5, StepRecord("eagle3", 5, 0, draft_s=0.004, verify_s=0.01))
         pol.learn(StepRecord("eagle3", 5, 0, draft_s=0.004, verify_s=0.01))
     assert m_a == pytest.approx(2.0 * 2 / (2 + 8))  # the request's own evidence dominates
-    assert pol.request_accept("b") == 2.0  # a new request starts from the prior again
+    assert pol.request_model("b", 5)[0] == 2.0  # a new request starts from the prior again
     view = StepView(np.zeros(3, np.float32), cache_len=0, model_len=5)
     assert pol.decide(view, None, m_a)[0] == NONE and pol.decide(view, None, 2.0)[0] == MODEL
 
     # an empty model draft (the head's confidence floor cut it) shortens that request's drafts only
     empty = StepRecord("eagle3", 0, 0, draft_s=0.001, verify_s=0.01)
     pol.learn(empty)
-    m_c = pol.request_accept("c", empty)
-    assert pol.request_len("c", 5) == pytest.approx(2 * 5 / 3) and pol.request_len("d", 5) is None
-    pol.request_accept("d")
-    assert pol.request_len("d", 5) == 5.0
-    assert pol.decide(view, None, 2.0, pol.request_len("d", 5))[0] == MODEL  # the next request still tries it
-    assert pol.decide(view, None, m_c, pol.request_len("c", 5))[0] == MODEL  # one empty draft is one of three
+    m_c, len_c = pol.request_model("c", 5, empty)
+    assert len_c == pytest.approx(2 * 5 / 3)
+    m_d, len_d = pol.request_model("d", 5)
+    assert len_d == 5.0
+    assert pol.decide(view, None, m_d, len_d)[0] == MODEL  # the next request still tries it
+    assert pol.decide(view, None, m_c, len_c)[0] == MODEL  # one empty draft is one of three
     fresh = CostPolicy(constant_predictor(0.0), model=_Eagle(), model_token_cost=0.05, model_accept=2.0, adapt=0.2)
     fresh.learn(empty)  # the very first model step came back empty
-    fresh.request_accept("x", empty)
+    fresh.request_model("x", 5, empty)
     assert fresh.model_len_seen == 0.0 and fresh.decide(view, None, 2.0)[0] == NONE  # a global length prices it out
-    fresh.request_accept("y")
-    assert fresh.decide(view, None, 2.0, fresh.request_len("y", 5))[0] == MODEL
+    assert fresh.decide(view, None, *fresh.request_model("y", 5))[0] == MODEL
+    fixed = CostPolicy(constant_predictor(0.0), model=_Eagle(), model_accept=2.0, adapt=0.0)
+    assert fixed.request_model("z", 5, StepRecord("eagle3", 5, 0, draft_s=0.004, verify_s=0.01)) == (2.0, None)
 
     for _ in range(40):  # global-tree drafts get half of what the predictor promises
         pol.learn(StepRecord("suffix-global", 8, 2, draft_s=0.0, verify_s=0.012, predicted=4.0))

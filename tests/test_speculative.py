@@ -9,7 +9,6 @@ import torch
 
 from conftest import make_tiny, second_token_marginal, second_token_pvalue
 from hvd_ray.drafters import make_drafter
-from hvd_ray.drafters.eagle3 import Eagle3Drafter, Eagle3Head
 from hvd_ray.drafters.layerskip import LayerSkipDrafter
 from hvd_ray.drafters.model_drafter import draft_model_drafter
 from hvd_ray.drafters.suffix import SuffixDrafter
@@ -22,12 +21,8 @@ from conftest import MAX_NEW  # noqa: E402,F401
 
 
 def drafter_for(name, model, tmp_path_factory):
-    if name == "eagle3":
-        return Eagle3Drafter(model, Eagle3Head.from_target(model, draft_vocab_size=8192, seed=0, dtype=torch.float32),
-                             tree=False)
-    if name == "eagle3-tree":
-        return Eagle3Drafter(model, Eagle3Head.from_target(model, draft_vocab_size=8192, seed=0, dtype=torch.float32),
-                             tree=True, top_k=3, depth=4, max_nodes=12)
+    if name in ("eagle3", "eagle3-tree"):  # the shipped head: real acceptance runs the multi-token paths
+        return make_drafter("eagle3", model, tree=name == "eagle3-tree", slots=4, max_len=1024)
     if name == "draft-model":
         folder = make_tiny("llama", tmp_path_factory.mktemp("draft"), vocab_size=model.cfg.vocab_size,
                            max_position_embeddings=2048)
@@ -42,10 +37,10 @@ def drafter_for(name, model, tmp_path_factory):
                                   "hvd-tau", "hvd-cost"])
 def test_greedy_speculative_is_token_identical(name, target, prompts, plain, tmp_path_factory):
     model, tok = target
-    if name.startswith("hvd-"):  # suffix + layer-skip drafts, chosen per step by the shipped predictor
+    if name.startswith("hvd-"):  # suffix + EAGLE-3 drafts, chosen per step by the shipped predictor
         from hvd_ray.selection.hvd import build_hvd
 
-        drafters, policy = build_hvd(model, tok, policy=name[4:], max_len=1024)
+        drafters, policy = build_hvd(model, tok, policy=name[4:], model_drafter="eagle3", slots=4, max_len=1024)
     else:
         drafters, policy = [drafter_for(name, model, tmp_path_factory)], None
     params = SamplingParams(max_tokens=MAX_NEW)
@@ -55,6 +50,8 @@ def test_greedy_speculative_is_token_identical(name, target, prompts, plain, tmp
     assert [r.output for r in reqs] == plain
     steps = [s for r in reqs for s in r.stats.steps]
     assert sum(s.drafted for s in steps) > 0  # the drafter really drafted
+    if name.startswith(("eagle3", "hvd")):  # a trained head: multi-token accepts (and rollbacks) happen
+        assert max(s.accepted for s in steps) >= 3
     # batch 1 on a few prompts
     engine = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=1024, num_draft_tokens=6)
     for ids, want in list(zip(prompts, plain))[::7]:

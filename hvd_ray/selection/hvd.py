@@ -53,7 +53,7 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
             # a one-layer head drafts at a small fraction of a target forward per token (measured
             # ~0.1-0.15 here). The acceptance prior is the training report's all-positions figure,
             # an optimistic one (prompts included): every request then tries the head early, and its
-            # own model steps take over after a few (CostPolicy.request_accept).
+            # own model steps take over after a few (CostPolicy.request_model).
             report = Path(eagle3_head) if eagle3_head else EAGLE3_ASSET
             meta = json.loads((report / "training.json").read_text()) if (report / "training.json").exists() else {}
             heldout = meta.get("heldout", {})

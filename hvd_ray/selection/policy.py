@@ -264,12 +264,14 @@ class CostPolicy(Policy):
         r = self.rates(view, y, tree, model_accept, model_len)
         return max(r, key=r.get), y
 
-    def request_accept(self, req_id: str, rec=None) -> float:
-        """The model's expected acceptance for one request: the prior, worth ``prior_steps`` model
-        steps, averaged with the request's own model steps (``rec``: its latest step record)."""
+    def request_model(self, req_id: str, nominal: int, rec=None) -> tuple[float, float | None]:
+        """The model drafter's expected (acceptance, draft length) for one request, after folding in
+        ``rec`` (its latest step record, if any): the prior (acceptance) and ``nominal`` (length),
+        each worth ``prior_steps`` model steps, averaged with the request's own model steps. The
+        length is None when the policy does not adapt (the global estimate applies)."""
         st = self._per_req.get(req_id)
         if st is None:
-            st = self._per_req[req_id] = [0.0, 0.0, 0.0]
+            st = self._per_req[req_id] = [0.0, 0.0, 0.0]  # model steps, accepted, drafted
             while len(self._per_req) > 4096:  # finished requests age out
                 self._per_req.popitem(last=False)
         if rec is not None and self.model is not None and rec.source == getattr(self.model, "name", None):
@@ -277,24 +279,17 @@ class CostPolicy(Policy):
             st[1] += rec.accepted
             st[2] += rec.drafted
         if self.adapt == 0.0:
-            return self.model_accept
-        return (self.prior_steps * self.prior_accept + st[1]) / (self.prior_steps + st[0])
-
-    def request_len(self, req_id: str, nominal: int) -> float | None:
-        """The model drafts' expected length for one request (after ``request_accept`` saw its
-        latest record): the nominal length, worth ``prior_steps`` drafts, averaged with its own."""
-        st = self._per_req.get(req_id)
-        if st is None or self.adapt == 0.0:
-            return None
-        return (self.prior_steps * nominal + st[2]) / (self.prior_steps + st[0])
+            return self.model_accept, None
+        w = self.prior_steps + st[0]
+        return (self.prior_steps * self.prior_accept + st[1]) / w, (self.prior_steps * nominal + st[2]) / w
 
     def __call__(self, req, engine):
         rec = req.stats.steps[-1] if req.stats.steps else None  # each record is seen once
         if rec is not None:
             self.learn(rec)
-        m = self.request_accept(req.req_id, rec)
         view, draft = self.observe(req, engine)
-        return self._choice(*self.decide(view, draft.source, m, self.request_len(req.req_id, view.model_len)), draft)
+        m, m_len = self.request_model(req.req_id, view.model_len, rec)
+        return self._choice(*self.decide(view, draft.source, m, m_len), draft)
 
 
 class OraclePolicy(Policy):
