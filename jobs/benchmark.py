@@ -10,7 +10,7 @@ Modes:
 
     python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
-    python jobs/benchmark.py spec [--quick] [--warm-traces DIR]
+    python jobs/benchmark.py spec [--quick] [--warm-traces DIR] [--prompt-file my.jsonl [--split all]]
     python jobs/benchmark.py http [--quick] [--servers none hvd:mirror hvd:remote]
 """
 
@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,12 +48,24 @@ def machine_line() -> str:
             f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
 
 
-def prompt_ids(tok, workloads, per_workload: int, max_prompt_tokens: int, split: str = "test") -> list[tuple[str, str, list[int]]]:
-    """(workload, prompt id, token ids) for held-out prompts, skipping ones longer than the budget."""
+def prompt_ids(tok, workloads, per_workload: int, max_prompt_tokens: int, split: str | None = "test",
+               prompt_files: Sequence[str] = ()) -> list[tuple[str, str, list[int]]]:
+    """(workload, prompt id, token ids) for held-out prompts, skipping ones longer than the budget.
+    ``prompt_files``: user prompt files (jsonl/parquet); each one's prompts of ``split`` form one
+    more workload, labelled with the file's stem."""
+    from hvd_ray.workloads import load_user_prompts
+
+    sources = [(w, load_workload(w, split=split)) for w in workloads]
+    for prompt_file in prompt_files:
+        own = [p for p in load_user_prompts(prompt_file) if split is None or p.split == split]
+        if not own:
+            raise ValueError(f"{prompt_file} has no {split}-split prompts (ids hash into train/validation/"
+                             "test); pass --split all to use every prompt in it")
+        sources.append((prompt_file_label(prompt_file), own))
     out = []
-    for w in workloads:
+    for w, prompts in sources:
         taken = 0
-        for p in load_workload(w, split=split):
+        for p in prompts:
             ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]
             if len(ids) <= max_prompt_tokens:
                 out.append((w, p.id, ids))
@@ -61,6 +73,11 @@ def prompt_ids(tok, workloads, per_workload: int, max_prompt_tokens: int, split:
             if taken == per_workload:
                 break
     return out
+
+
+def prompt_file_label(path: str) -> str:
+    """The workload label of a user prompt file in reports: its file name without the suffix."""
+    return Path(path).stem
 
 
 def median(xs):
@@ -266,7 +283,9 @@ def bench_spec(args) -> str:
     """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s."""
     model, tok = load("default", args.dtype)
     n_per = args.prompts or (3 if args.quick else 6)
-    prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens)
+    split = None if args.split == "all" else args.split
+    prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens, split, args.prompt_file)
+    args.workloads = [*args.workloads, *map(prompt_file_label, args.prompt_file)]
     max_len = args.max_prompt_tokens + args.max_tokens + 64
     methods: dict[str, tuple[list, object]] = {"greedy": ([], None)}
     for name in args.drafters:
@@ -293,7 +312,9 @@ def bench_spec(args) -> str:
         f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`  ",
         f"Machine: {machine_line()}  ",
         f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, up to {args.max_tokens} new tokens, "
-        f"{n_per} held-out (test split) prompts per workload of <= {args.max_prompt_tokens} tokens, "
+        f"{n_per} {'' if split is None else f'{split}-split '}prompts per workload of <= {args.max_prompt_tokens} tokens"
+        + "".join(f" (`{prompt_file_label(f)}`: the user prompt file `{f}`)" for f in args.prompt_file)
+        + ", "
         f"draft budget {args.num_draft_tokens} tokens (`-tree` = tree drafts); "
         "every method runs on a prompt before the next prompt (interleaved). The suffix drafter's global "
         + (f"tree starts with {len(warm)} past outputs (the train-split traces in `{args.warm_traces}`, as a "
@@ -472,6 +493,12 @@ def main() -> None:
                     help="spec mode: float32 makes every method decode the same tokens (lossless), so MAT "
                          "and forwards compare exactly across drafters and heads; bf16 is what serving runs")
     ap.add_argument("--prompts", type=int, default=None, help="spec mode: prompts per workload (default 6)")
+    ap.add_argument("--prompt-file", nargs="+", default=[], metavar="FILE",
+                    help="spec mode: also measure on your own prompts (.jsonl/.parquet user prompt files, as "
+                         "collect_traces.py --prompts takes), each reported as a workload named after its file; "
+                         "give --workloads too to keep packaged ones, else only the files are run")
+    ap.add_argument("--split", default="test", choices=["train", "validation", "test", "all"],
+                    help="spec mode: which split of each prompt set to run (default test: the held-out prompts)")
     ap.add_argument("--out", default=None, help="markdown file to write (default benchmarks/<mode>.md)")
     from report import add_args, main_report
 
@@ -481,7 +508,21 @@ def main() -> None:
     if args.mode == "report":
         args.max_tokens = args.max_tokens or (48 if args.quick else 128)
         return main_report(args)
-    args.workloads = args.workloads or list(WORKLOADS)
+    if args.prompt_file and args.mode != "spec":
+        ap.error("--prompt-file is a spec-mode option")
+    labels = [prompt_file_label(f) for f in args.prompt_file]
+    if len(set(labels)) < len(labels) or set(labels) & set(args.workloads or []):
+        ap.error(f"--prompt-file: the files' names ({', '.join(labels)}) must differ from each other and from the workloads")
+    for f in args.prompt_file:  # refuse a bad file before any model loads
+        from hvd_ray.workloads import load_user_prompts
+
+        try:
+            if not any(args.split == "all" or p.split == args.split for p in load_user_prompts(f)):
+                ap.error(f"--prompt-file {f} has no {args.split}-split prompts (ids hash into "
+                         "train/validation/test); pass --split all to use every prompt in it")
+        except (OSError, ValueError) as e:
+            ap.error(f"--prompt-file: {e}")
+    args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else list(WORKLOADS))
     args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
     args.reps = args.reps or (2 if args.quick else 3)
     if args.mode == "http":

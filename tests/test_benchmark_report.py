@@ -70,3 +70,41 @@ def test_vllm_peer_without_vllm_is_not_run():
         pytest.skip("vllm is installed here")
     with pytest.raises(NotRun, match="vLLM run failed"):
         run_vllm(sys.executable, [("chat", "p", [1, 2, 3])], 4, 1, "head")
+
+
+def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / "benchmark.py"), *args], capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                               "OMP_NUM_THREADS": "1"})
+
+
+def test_spec_on_a_user_prompt_file(tmp_path):
+    """``spec --prompt-file``: the user's prompts become a workload named after the file, next to the
+    packaged ones asked for; a file that cannot be used is refused before any model loads."""
+    import json
+
+    mine = tmp_path / "my-agent.jsonl"
+    rows = [{"id": f"mine/{i}", "prompt": f"List {i + 2} colours, one per line."} for i in range(3)]
+    mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "spec.md"
+    res = _bench("spec", "--prompt-file", str(mine), "--split", "all", "--prompts", "2", "--max-tokens", "6",
+                 "--drafters", "suffix", "--threads", "1", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    md = out.read_text()
+    table = [ln.split("|")[1:-1] for ln in md.splitlines() if ln.startswith("| my-agent |")]
+    assert [c[1].strip() for c in table] == ["greedy", "suffix"]
+    assert "2 prompts per workload" in md and f"the user prompt file `{mine}`" in md
+    assert "| chat |" not in md  # only the file: no --workloads given
+    assert '"my-agent/suffix"' in md  # raw figures keyed by the file's label
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    for argv, why in ((["--prompt-file", str(bad)], "needs a 'messages' list"),
+                      (["--prompt-file", str(tmp_path / "none.jsonl")], "not found"),
+                      (["--prompt-file", str(mine), "--split", "test"], "pass --split all"),
+                      (["--prompt-file", str(mine), "--workloads", "my-agent"], "must differ")):
+        res = _bench("spec", *argv, timeout=60)
+        assert res.returncode == 2 and why in res.stderr, (argv, res.stderr[-500:])
+    res = _bench("http", "--prompt-file", str(mine), timeout=60)
+    assert res.returncode == 2 and "spec-mode option" in res.stderr
