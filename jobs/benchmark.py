@@ -49,19 +49,10 @@ def machine_line() -> str:
 
 
 def prompt_ids(tok, workloads, per_workload: int, max_prompt_tokens: int, split: str | None = "test",
-               prompt_files: Sequence[str] = ()) -> list[tuple[str, str, list[int]]]:
+               extra: Sequence[tuple[str, list]] = ()) -> list[tuple[str, str, list[int]]]:
     """(workload, prompt id, token ids) for held-out prompts, skipping ones longer than the budget.
-    ``prompt_files``: user prompt files (jsonl/parquet); each one's prompts of ``split`` form one
-    more workload, labelled with the file's stem."""
-    from hvd_ray.workloads import load_user_prompts
-
-    sources = [(w, load_workload(w, split=split)) for w in workloads]
-    for prompt_file in prompt_files:
-        own = [p for p in load_user_prompts(prompt_file) if split is None or p.split == split]
-        if not own:
-            raise ValueError(f"{prompt_file} has no {split}-split prompts (ids hash into train/validation/"
-                             "test); pass --split all to use every prompt in it")
-        sources.append((prompt_file_label(prompt_file), own))
+    ``extra``: more (label, prompts) workloads, e.g. ``user_workloads``' user prompt files."""
+    sources = [(w, load_workload(w, split=split)) for w in workloads] + list(extra)
     out = []
     for w, prompts in sources:
         taken = 0
@@ -75,9 +66,23 @@ def prompt_ids(tok, workloads, per_workload: int, max_prompt_tokens: int, split:
     return out
 
 
-def prompt_file_label(path: str) -> str:
-    """The workload label of a user prompt file in reports: its file name without the suffix."""
-    return Path(path).stem
+def user_workloads(files: Sequence[str], split: str | None, taken: Sequence[str] = ()) -> list[tuple[str, list]]:
+    """Each user prompt file (jsonl/parquet) as one workload: (its file name without the suffix, its
+    prompts of ``split``; None: all). Raises ValueError for an unusable file, or for names that
+    repeat each other or one in ``taken`` (the packaged workloads run beside them)."""
+    from hvd_ray.workloads import load_user_prompts
+
+    labels = [Path(f).stem for f in files]
+    if len(set(labels)) < len(labels) or set(labels) & set(taken):
+        raise ValueError(f"the files' names ({', '.join(labels)}) must differ from each other and from the workloads")
+    out = []
+    for f, label in zip(files, labels):
+        own = [p for p in load_user_prompts(f) if split is None or p.split == split]
+        if not own:
+            raise ValueError(f"{f} has no {split}-split prompts (ids hash into train/validation/test); "
+                             "pass --split all to use every prompt in it")
+        out.append((label, own))
+    return out
 
 
 def median(xs):
@@ -284,8 +289,8 @@ def bench_spec(args) -> str:
     model, tok = load("default", args.dtype)
     n_per = args.prompts or (3 if args.quick else 6)
     split = None if args.split == "all" else args.split
-    prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens, split, args.prompt_file)
-    args.workloads = [*args.workloads, *map(prompt_file_label, args.prompt_file)]
+    prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens, split, args.user_workloads)
+    args.workloads = [*args.workloads, *(label for label, _ in args.user_workloads)]
     max_len = args.max_prompt_tokens + args.max_tokens + 64
     methods: dict[str, tuple[list, object]] = {"greedy": ([], None)}
     for name in args.drafters:
@@ -313,7 +318,8 @@ def bench_spec(args) -> str:
         f"Machine: {machine_line()}  ",
         f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, up to {args.max_tokens} new tokens, "
         f"{n_per} {'' if split is None else f'{split}-split '}prompts per workload of <= {args.max_prompt_tokens} tokens"
-        + "".join(f" (`{prompt_file_label(f)}`: the user prompt file `{f}`)" for f in args.prompt_file)
+        + "".join(f" (`{label}`: the user prompt file `{f}`)"
+                  for (label, _), f in zip(args.user_workloads, args.prompt_file))
         + ", "
         f"draft budget {args.num_draft_tokens} tokens (`-tree` = tree drafts); "
         "every method runs on a prompt before the next prompt (interleaved). The suffix drafter's global "
@@ -510,18 +516,11 @@ def main() -> None:
         return main_report(args)
     if args.prompt_file and args.mode != "spec":
         ap.error("--prompt-file is a spec-mode option")
-    labels = [prompt_file_label(f) for f in args.prompt_file]
-    if len(set(labels)) < len(labels) or set(labels) & set(args.workloads or []):
-        ap.error(f"--prompt-file: the files' names ({', '.join(labels)}) must differ from each other and from the workloads")
-    for f in args.prompt_file:  # refuse a bad file before any model loads
-        from hvd_ray.workloads import load_user_prompts
-
-        try:
-            if not any(args.split == "all" or p.split == args.split for p in load_user_prompts(f)):
-                ap.error(f"--prompt-file {f} has no {args.split}-split prompts (ids hash into "
-                         "train/validation/test); pass --split all to use every prompt in it")
-        except (OSError, ValueError) as e:
-            ap.error(f"--prompt-file: {e}")
+    try:  # refuse a bad file before any model loads
+        args.user_workloads = user_workloads(args.prompt_file, None if args.split == "all" else args.split,
+                                             args.workloads or ())
+    except (OSError, ValueError) as e:
+        ap.error(f"--prompt-file: {e}")
     args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else list(WORKLOADS))
     args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
     args.reps = args.reps or (2 if args.quick else 3)

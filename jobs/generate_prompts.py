@@ -81,6 +81,7 @@ def main(argv=None) -> int:
         return 0
     model, tok = load(args.model, dtype=args.dtype)
     openers = [o.strip() for o in args.openers] if args.openers else [""]
+    slugs = ["/" + "-".join(dedup_key(o).split()) if o else "" for o in openers]  # id part per opener
     prefixes = [tok(user_turn_prefix(tok) + o, add_special_tokens=False)["input_ids"] for o in openers]
     engine = Engine(model, max_batch=args.batch_size,
                     max_len=max(map(len, prefixes)) + args.max_tokens + 16)
@@ -99,11 +100,11 @@ def main(argv=None) -> int:
                 sampled = tok.decode(req.output, skip_special_tokens=True)
                 text = clean_query(f"{opener} {sampled.lstrip()}" if opener else sampled) \
                     if req.finish_reason == "stop" else None
-                if text is None or dedup_key(text) in keys or len(keys) >= args.count:
+                key = dedup_key(text) if text is not None else None
+                if key is None or key in keys or len(keys) >= args.count:
                     continue
-                keys.add(dedup_key(text))
-                slug = "/" + "-".join(dedup_key(opener).split()) if opener else ""
-                row = {"id": f"self_chat{slug}/{args.seed + s}", "prompt": text, "workload": "chat",
+                keys.add(key)
+                row = {"id": f"self_chat{slugs[s % len(openers)]}/{args.seed + s}", "prompt": text, "workload": "chat",
                        "sample": s, "source": "self_chat"}
                 if opener:
                     row["opener"] = opener
