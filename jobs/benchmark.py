@@ -511,11 +511,11 @@ def main() -> None:
     add_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.prompt_file and args.mode != "spec":
+        ap.error("--prompt-file is a spec-mode option")
     if args.mode == "report":
         args.max_tokens = args.max_tokens or (48 if args.quick else 128)
         return main_report(args)
-    if args.prompt_file and args.mode != "spec":
-        ap.error("--prompt-file is a spec-mode option")
     try:  # refuse a bad file before any model loads
         args.user_workloads = user_workloads(args.prompt_file, None if args.split == "all" else args.split,
                                              args.workloads or ())

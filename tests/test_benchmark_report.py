@@ -106,5 +106,6 @@ def test_spec_on_a_user_prompt_file(tmp_path):
                       (["--prompt-file", str(mine), "--workloads", "my-agent"], "must differ")):
         res = _bench("spec", *argv, timeout=60)
         assert res.returncode == 2 and why in res.stderr, (argv, res.stderr[-500:])
-    res = _bench("http", "--prompt-file", str(mine), timeout=60)
-    assert res.returncode == 2 and "spec-mode option" in res.stderr
+    for mode in ("http", "report"):
+        res = _bench(mode, "--prompt-file", str(mine), timeout=60)
+        assert res.returncode == 2 and "spec-mode option" in res.stderr, mode
