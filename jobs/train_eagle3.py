@@ -36,7 +36,8 @@ import torch  # noqa: E402
 
 from hvd_ray.drafters.eagle3 import Eagle3Head, default_aux_layer_ids, taps_for  # noqa: E402
 from hvd_ray.drafters.eagle3_train import (  # noqa: E402
-    draft_vocab_from_counts, extract_features, read_shard, ttt_logits, ttt_loss, write_shards)
+    TTTLoss, draft_vocab_from_counts, extract_features, read_shard, shard_size, state_digest, ttt_logits,
+    write_shards)
 from hvd_ray.model import Transformer, parse_dtype, resolve  # noqa: E402
 from hvd_ray.traces import read_traces  # noqa: E402
 from hvd_ray.workloads import split_of  # noqa: E402
@@ -124,7 +125,13 @@ def _progress(it, total: int, name: str):
 
 
 def train_loop(config: dict) -> None:
-    """One Ray Train worker: TTT over its share of the shards, gradients all-reduced across workers."""
+    """One Ray Train worker of data-parallel TTT. Every epoch all workers build the same seeded order
+    of the training samples (the shards shuffled, as with one worker, each read whole, so a worker
+    holds one shard at a time) and worker r takes the r-th of ``world`` equal slices of it (the
+    remainder, under ``world`` samples, is left out that epoch). So all workers take the same number
+    of optimizer steps under one learning-rate schedule, with gradients averaged by DDP; the time
+    limit is decided together (any worker past it stops all, on the same step); rank 0 checkpoints.
+    With one worker this is the serial loop: every sample, in the same order."""
     import ray.train
     import torch.distributed as dist
 
@@ -148,49 +155,92 @@ def train_loop(config: dict) -> None:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         epoch0, step = state["epoch"], state["step"]
-    shards = [Path(p) for p in config["shards"]][rank::world]
+    # DDP (world > 1; one worker runs the bare module): the head runs `steps` times per sample inside
+    # ttt_logits, but all of it is one forward of TTTLoss and one backward, so DDP's per-parameter
+    # hooks fire once per step with the summed gradient and it averages them across workers, bucketed.
+    model = ray.train.torch.prepare_model(TTTLoss(head))
+
+    def together(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """All-reduce a few numbers across the workers (as they are with one)."""
+        if world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def past_deadline() -> bool:  # collective: every worker stops on the same step
+        return together([float(time.time() > deadline)], dist.ReduceOp.MAX)[0] > 0
+
+    def means(run_loss: float, run_acc: list[float], n: int) -> dict:  # over all workers' samples
+        loss, *acc, n = together([run_loss, *run_acc, n])
+        n = max(n, 1)
+        return {"loss": loss / n, **{f"acc{k + 1}": a / n for k, a in enumerate(acc)}}
+
+    shards = [Path(p) for p in config["shards"]]
+    sizes = [shard_size(p) for p in shards]
+    per_worker = sum(sizes) // world  # samples (= optimizer steps) per worker and epoch, on every worker
+    if per_worker == 0:
+        raise ValueError(f"{sum(sizes)} training samples cannot be shared by {world} workers")
     deadline = time.time() + 60 * config["minutes"]
-    total_steps = config["epochs"] * sum(len(read_shard(p)) for p in shards)
+    total_steps = config["epochs"] * per_worker
+    stop = False
     for epoch in range(epoch0, config["epochs"]):
         g = torch.Generator().manual_seed(config["seed"] + epoch)
-        order = [shards[i] for i in torch.randperm(len(shards), generator=g).tolist()]
+        order = [(i, j) for i in torch.randperm(len(shards), generator=g).tolist() for j in range(sizes[i])]
+        mine = order[rank * per_worker : (rank + 1) * per_worker]
         run_loss, run_acc, n = 0.0, [0.0] * config["steps"], 0
-        for path in order:
-            for s in read_shard(path):
-                lr = config["lr"] * min(1.0, (step + 1) / 50) * max(0.1, 1 - step / max(total_steps, 1))
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                loss, accs = ttt_loss(head, s["taps"].float(), s["tokens"], s["pred"], steps=config["steps"],
-                                      start=int(s["start"][0]), prompt_weight=config["prompt_weight"])
-                opt.zero_grad()
-                loss.backward()
-                if world > 1:
-                    for p in params:
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                step += 1
-                run_loss += loss.item()
-                run_acc = [a + b for a, b in zip(run_acc, accs)]
-                n += 1
-                if step % config["report_every"] == 0:
-                    ray.train.report({"epoch": epoch, "step": step, "loss": run_loss / n,
-                                      **{f"acc{k + 1}": a / n for k, a in enumerate(run_acc)}})
-                if time.time() > deadline:
-                    break
-            if time.time() > deadline:
+        loaded, samples = None, []
+        for i, j in mine:
+            if i != loaded:  # `mine` runs through each of its shards in one go
+                loaded, samples = i, read_shard(shards[i])
+            s = samples[j]
+            lr = config["lr"] * min(1.0, (step + 1) / 50) * max(0.1, 1 - step / max(total_steps, 1))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss, accs = model(s["taps"].float(), s["tokens"], s["pred"], steps=config["steps"],
+                               start=int(s["start"][0]), prompt_weight=config["prompt_weight"])
+            opt.zero_grad()
+            loss.backward()  # DDP: gradients averaged across the workers here
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            run_loss += loss.item()
+            run_acc = [a + b for a, b in zip(run_acc, accs)]
+            n += 1
+            if step % config["report_every"] == 0:
+                ray.train.report({"epoch": epoch, "step": step, **means(run_loss, run_acc, n)})
+            if stop := past_deadline():
                 break
-        metrics = {"epoch": epoch + 1, "step": step, "loss": run_loss / max(n, 1),
-                   **{f"acc{k + 1}": a / max(n, 1) for k, a in enumerate(run_acc)}}
+        samples = []
+        metrics = {"epoch": epoch + 1, "step": step, **means(run_loss, run_acc, n),
+                   **sync_check(head, step, world, device)}
+        if not metrics["ranks_in_sync"] and rank == 0:
+            print(f"[train] WARNING: workers diverged: steps {metrics['rank_steps']}, "
+                  f"weights {metrics['rank_digests']}", file=sys.stderr)
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
                 torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1, "step": step},
                            Path(d) / "state.pt")
                 head.save(Path(d) / "head")
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
-        if time.time() > deadline:
+        if stop or past_deadline():
             break
+
+
+def sync_check(head: Eagle3Head, step: int, world: int, device) -> dict:
+    """Every worker's step count and head-weight digest (collective), and whether they all agree:
+    data-parallel workers must hold bit-identical weights after every step."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([step, *bytes.fromhex(state_digest(head))], dtype=torch.int64, device=device)
+    everyone = [mine]
+    if world > 1:
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+    steps = [int(t[0]) for t in everyone]
+    digests = [bytes(t[1:].tolist()).hex() for t in everyone]
+    return {"rank_steps": steps, "rank_digests": digests,
+            "ranks_in_sync": len(set(steps)) == 1 and len(set(digests)) == 1}
 
 
 def fit(args, train_shards: list[Path], vocab: list[int]):

@@ -53,12 +53,8 @@ def test_a_few_ttt_steps_reduce_the_loss(tiny_llama, tmp_path):
     assert last < 0.7 * first
 
 
-def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
-    """The Ray Train job end to end on a tiny target: loss goes down, the head round-trips."""
-    import json
-    import os
-    import subprocess
-    import sys
+def _smoke_traces(tmp_path):
+    """24 repetitive trace rows (a head can learn something quickly) in two trace folders."""
     from datetime import datetime, timezone
 
     import pyarrow as pa
@@ -70,19 +66,37 @@ def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
     rows = []
     for i in range(24):
         base = torch.randint(3, 60, (6,), generator=g).tolist()
-        seq = (base * 8)[: 30 + i % 5]  # repetitive, so a head can learn something quickly
+        seq = (base * 8)[: 30 + i % 5]
         rows.append({"prompt_id": f"smoke/{i}", "workload": "chat", "split": "train", "seq": i,
                      "prompt_tokens": seq[:8], "output_tokens": seq[8:], "finish_reason": "length",
                      "model_id": "tiny", "model_revision": "x", "backend": "hvd_ray", "decoding": "{}",
                      "prefill_s": 0.0, "decode_s": 0.0, "created_at": datetime.now(timezone.utc),
                      "topk_ids": None, "topk_logprobs": None})
-    folders = [tmp_path / "traces-a", tmp_path / "traces-b"]  # two trace folders, trained on together
+    folders = [tmp_path / "traces-a", tmp_path / "traces-b"]
     for k, folder in enumerate(folders):
         folder.mkdir()
         pq.write_table(pa.Table.from_pylist(rows[k::2], schema=TRACE_SCHEMA), folder / "part-0.parquet")
-    out = tmp_path / "head"
+    return folders, rows
+
+
+def _job_env() -> dict:
+    import os
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
+    """The Ray Train job end to end on a tiny target: loss goes down, the head round-trips."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folders, rows = _smoke_traces(tmp_path)  # two trace folders, trained on together
+    out = tmp_path / "head"
+    env = _job_env()
     common = ["--model", str(tiny_llama), "--minutes", "3", "--draft-vocab", "64", "--max-len", "64",
               "--threads", "1", "--lr", "3e-3", "--feature-dtype", "float32"]
     res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", *map(str, folders), "--out", str(out),
@@ -128,3 +142,38 @@ def test_prompt_positions_weigh_prompt_weight(tiny_llama):
         resp = [ttt_loss(head, *args, p, steps=3, start=12, prompt_weight=0.0)[0].item() for p in (s["pred"], other)]
         full = [ttt_loss(head, *args, p, steps=3, start=12, prompt_weight=1.0)[0].item() for p in (s["pred"], other)]
     assert abs(resp[0] - resp[1]) < 1e-6 and abs(full[0] - full[1]) > 1e-4
+
+
+def test_train_eagle3_two_workers_stay_in_step(tiny_llama, tmp_path):
+    """``--workers 2`` (2 CPU Ray Train workers, DDP over gloo): both workers take the same number
+    of steps (an equal share of the samples each epoch) and end with bit-identical head weights --
+    which, since they trained on different samples, also shows the gradients were averaged -- and
+    the loss goes down. The digests the workers report are those of the weights rank 0 saved."""
+    import json
+    import subprocess
+    import sys
+
+    from hvd_ray.drafters.eagle3_train import state_digest
+
+    folders, rows = _smoke_traces(tmp_path)
+    out = tmp_path / "head"
+    epochs = 2  # the run keeps its last two checkpoints' metrics: one per epoch
+    res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", *map(str, folders), "--out", str(out),
+                          "--model", str(tiny_llama), "--minutes", "3", "--draft-vocab", "64", "--max-len", "64",
+                          "--threads", "1", "--lr", "3e-3", "--feature-dtype", "float32", "--epochs", str(epochs),
+                          "--workers", "2", "--cpus-per-worker", "0.5"],
+                         capture_output=True, text=True, env=_job_env(), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    meta = json.loads((out / "training.json").read_text())
+    m = meta["train_metrics"]
+    n_train = sum(split_of(r["prompt_id"]) == "train" for r in rows)
+    assert n_train % 2 == 1  # so one sample an epoch is left out, and the shares are still equal
+    assert m["rank_steps"] == [epochs * (n_train // 2)] * 2, m
+    assert m["step"] == epochs * (n_train // 2)
+    assert len(m["rank_digests"]) == 2 and m["rank_digests"][0] == m["rank_digests"][1], m
+    assert m["ranks_in_sync"] is True
+    state = torch.load(f"{meta['checkpoint']}/state.pt", map_location="cpu", weights_only=True)
+    assert state_digest(state["head"]) == m["rank_digests"][0]
+    assert state["step"] == m["step"]
+    losses = meta["loss_history"]
+    assert len(losses) == epochs and losses[-1] < losses[0], losses

@@ -14,14 +14,16 @@ target's greedy token after position i+1.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..model.transformer import Transformer, apply_rope, rope_cos_sin, rope_tables
 from .eagle3 import Eagle3Head
@@ -75,6 +77,12 @@ def read_shard(path: Path) -> list[dict[str, Tensor]]:
     n = len({k.split(".")[0] for k in flat})
     zero = torch.zeros(1, dtype=torch.int32)  # shards written before ``start`` existed: all response
     return [{k: flat.get(f"{i}.{k}", zero) for k in ("tokens", "taps", "pred", "start")} for i in range(n)]
+
+
+def shard_size(path: Path) -> int:
+    """How many samples a shard holds, from its header alone (no tensor is read)."""
+    with safe_open(str(path), framework="pt") as f:
+        return len({k.split(".")[0] for k in f.keys()})
 
 
 def draft_vocab_from_counts(counts: Tensor, size: int) -> list[int]:
@@ -155,6 +163,32 @@ def ttt_loss(head: Eagle3Head, taps: Tensor, tokens: Tensor, pred: Tensor, steps
         else:
             accs.append(0.0)
     return total, accs
+
+
+class TTTLoss(nn.Module):
+    """``ttt_loss`` as a module's ``forward``, so that ``DistributedDataParallel`` can wrap it: DDP
+    all-reduces gradients only in a backward that follows its own ``forward`` (which arms its hooks),
+    so the whole unroll -- the head's layers applied ``steps`` times -- must run inside one forward.
+    Every trainable parameter of the head takes part in every unroll (no unused parameters)."""
+
+    def __init__(self, head: Eagle3Head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, taps: Tensor, tokens: Tensor, pred: Tensor, steps: int = 3, start: int = 0,
+                prompt_weight: float = 1.0) -> tuple[Tensor, list[float]]:
+        return ttt_loss(self.head, taps, tokens, pred, steps=steps, start=start, prompt_weight=prompt_weight)
+
+
+def state_digest(state: nn.Module | dict[str, Tensor]) -> str:
+    """sha256 of a module's state or a state dict (names, dtypes, shapes and exact bytes): equal
+    digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, t in (state.state_dict() if isinstance(state, nn.Module) else state).items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def save_meta(folder: Path, meta: dict) -> None:

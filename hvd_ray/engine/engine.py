@@ -4,11 +4,17 @@ One ``step()`` advances every running request by one target forward (prefill for
 verify forward for the rest). A request with an empty draft is plain decoding, so greedy decoding
 and speculative decoding share this single loop; that is what makes "speculative output equals
 greedy output of the same engine" a meaningful check.
+
+Failure isolation: an exception in one request's own work (a drafter's ``begin``/``propose``/
+``accept``, the policy, sampling, verification) fails that request alone (``finish_reason
+"error"``, its slot freed) and the batch goes on. Only the target forward, which every running
+request shares, propagates: after it fails the cache's state is unknown, so the caller must stop.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -24,6 +30,8 @@ from ..verification.sampling import sample
 from ..verification.tiered import SlimStep, SlimTier
 from ..verification.tree import tree_depths
 from .request import Request, SamplingParams, StepRecord
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class Choice:
@@ -50,6 +58,7 @@ class StepOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
+    error: str | None = None  # finish_reason "error": what went wrong with this request
 
 
 def check_fits(prompt: Sequence[int], params: SamplingParams, num_draft_tokens: int, max_len: int) -> None:
@@ -132,8 +141,13 @@ class Engine:
             req = self.waiting.popleft()
             req.slot = self.free_slots.popleft()
             self.model.cache.truncate(req.slot, 0)
-            for d in self.drafters:
-                d.begin(req.req_id, req.prompt, req.slot)
+            try:
+                for d in self.drafters:
+                    d.begin(req.req_id, req.prompt, req.slot)
+            except Exception as e:  # noqa: BLE001 - this request's drafter state: fail it alone
+                self.running.append(req)
+                self._fail(req, e, "drafter begin")
+                continue
             admitted.append(req)
         # slot order lets the model read consecutive cache slots as one view
         decoding = sorted((r for r in self.running if not r.finished), key=lambda r: r.slot)
@@ -150,9 +164,17 @@ class Engine:
             self.running.remove(req)
             self.free_slots.append(req.slot)
             for d in self.drafters:
-                d.end(req.req_id)
-            if req.finish_reason == "abort":
-                outputs.append(StepOutput(req.req_id, [], True, "abort"))
+                try:
+                    d.end(req.req_id)
+                except Exception:  # noqa: BLE001 - the request is over either way
+                    logger.exception("drafter %s failed to end request %s", getattr(d, "name", d), req.req_id)
+            if req.finish_reason in ("abort", "error"):
+                outputs.append(StepOutput(req.req_id, [], True, req.finish_reason, req.error))
+
+    def _fail(self, req: Request, e: BaseException, where: str) -> None:
+        """End ``req`` with ``finish_reason "error"``; ``_release`` frees its slot and reports it."""
+        logger.error("request %s failed in %s: %r", req.req_id, where, e, exc_info=e)
+        req.finish_reason, req.error = "error", f"{where} failed: {type(e).__name__}: {e}"
 
     def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
         """One forward per new prompt: prefill is compute-bound, so batching prompts of different
@@ -163,12 +185,15 @@ class Engine:
             t0 = time.perf_counter()
             n = len(req.prompt)
             out = self.model(torch.tensor([req.prompt], device=dev), [req.slot], taps=self.taps, last_only=True)
-            first = self._first_tokens([req], out.logits[:, -1])[0]
-            req.stats.prefill_s = time.perf_counter() - t0
-            req.stats.target_forwards += 1
-            if self.taps:
-                self._observe(req, req.prompt[1:] + [first], out.taps, 0, slice(0, n))
-            results.append(self._emit(req, [first]))
+            try:
+                first = self._first_tokens([req], out.logits[:, -1])[0]
+                req.stats.prefill_s = time.perf_counter() - t0
+                req.stats.target_forwards += 1
+                if self.taps:
+                    self._observe(req, req.prompt[1:] + [first], out.taps, 0, slice(0, n))
+                results.append(self._emit(req, [first]))
+            except Exception as e:  # noqa: BLE001
+                self._fail(req, e, "sampling the first token")
         return results
 
     def _first_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
@@ -192,30 +217,64 @@ class Engine:
         A policy returns a drafter (or None), or a :class:`Choice` that may carry a draft it already
         made (a selection policy drafts from the cache to decide) and its predicted yield. Requests
         without a ready draft are drafted in one ``propose`` call per source, so model drafters batch.
+        A request whose policy or drafter raises is failed (``_fail``) and keeps an empty draft; the
+        caller drops finished requests before the forward.
         """
         default = self.drafters[0] if self.drafters else None
         for d in self.drafters:  # remote drafters fetch the whole batch's drafts in one call
             if hasattr(d, "prepare"):
-                d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r)) for r in reqs])
-        choices = [as_choice(self.policy(r, self) if self.policy else default) for r in reqs]
+                try:
+                    d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r)) for r in reqs])
+                except Exception:  # noqa: BLE001 - a prefetch only; propose asks again per request below
+                    logger.exception("drafter %s failed to prepare the batch", getattr(d, "name", d))
+        choices = []
+        for r in reqs:
+            try:
+                choices.append(as_choice(self.policy(r, self) if self.policy else default))
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e, "draft selection")
+                choices.append(Choice(None))
         drafts: list[Draft] = [Draft() for _ in reqs]
         for src in {id(c.drafter): c.drafter for c in choices if c.drafter is not None}.values():
             idxs = [i for i, c in enumerate(choices) if c.drafter is src and c.draft is None]
             if idxs:
-                asks = [DraftRequest(reqs[i].req_id, reqs[i].slot, reqs[i].tokens, self.draft_budget(reqs[i]))
-                        for i in idxs]
-                for i, d in zip(idxs, src.propose(asks)):
+                for i, d in zip(idxs, self._propose(src, [reqs[i] for i in idxs])):
                     choices[i].draft = d
         for i, (r, c) in enumerate(zip(reqs, choices)):
-            if c.draft is not None:
+            if c.draft is not None and not r.finished:
                 drafts[i] = c.draft.truncated(self.draft_budget(r))
         return drafts, [c.predicted for c in choices]
+
+    def _propose(self, src: Drafter, reqs: list[Request]) -> list[Draft | None]:
+        """``src.propose`` for the batch; if it raises, once per request, failing only the ones that
+        raise again (a batched call cannot say whose request broke it)."""
+        def ask(r: Request) -> DraftRequest:
+            return DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r))
+
+        try:
+            return list(src.propose([ask(r) for r in reqs]))
+        except Exception:  # noqa: BLE001
+            if len(reqs) == 1:
+                out: list[Draft | None] = []
+            else:
+                logger.exception("drafter %s failed on a batch of %d; retrying per request",
+                                 getattr(src, "name", src), len(reqs))
+                out = []
+        for r in reqs[len(out):]:
+            try:
+                out.append(src.propose([ask(r)])[0])
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e, f"drafting ({getattr(src, 'name', 'drafter')})")
+                out.append(None)
+        return out
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         if self._slim_step is not None:
             return self._slim_step.decode(self, reqs)
         t0 = time.perf_counter()
-        drafts, predicted = self._drafts(reqs)
+        reqs, drafts, predicted = self._live_drafts(reqs)
+        if not reqs:
+            return []
         t1 = time.perf_counter()
         dev = self.model.device
         B = len(reqs)
@@ -243,30 +302,44 @@ class Engine:
             best = logits.argmax(-1).tolist()  # one sync
         results = []
         for b, (req, d) in enumerate(zip(reqs, drafts)):
-            p = req.params
-            if p.greedy:
-                path, nxt = walks[b] if walks is not None else greedy_walk(best[b], d.token_ids, d.parents)
-            else:
-                probs = target_probs(logits[b, : widths[b]], p.temperature, p.top_k, p.top_p)
-                if probs.is_cuda and d.is_chain:  # kernels/rejection.py: one pass, one host sync
-                    n_acc, nxt = rejection_sample_chain(probs, d.token_ids, None, req.generator)
-                    path = list(range(n_acc))
-                else:
-                    path, nxt = rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
-            keep = [0] + [i + 1 for i in path]
-            self.model.cache.compact(req.slot, starts[b], keep)
-            emitted = [d.token_ids[i] for i in path] + [nxt]
-            if self.taps:
-                self._observe(req, emitted, out.taps, b, torch.tensor(keep, device=dev))
-            req.stats.target_forwards += 1
-            t2 = time.perf_counter()
-            req.stats.steps.append(StepRecord(d.source or "none", len(d), len(path),
-                                              (t1 - t0) / B, (t2 - t1) / B, predicted[b]))
-            results.append(self._emit(req, emitted))
+            try:
+                path, nxt = self._verify(req, d, logits[b, : widths[b]], walks[b] if walks is not None else None,
+                                         best[b] if best is not None else None)
+                keep = [0] + [i + 1 for i in path]
+                self.model.cache.compact(req.slot, starts[b], keep)
+                emitted = [d.token_ids[i] for i in path] + [nxt]
+                if self.taps:
+                    self._observe(req, emitted, out.taps, b, torch.tensor(keep, device=dev))
+                req.stats.target_forwards += 1
+                t2 = time.perf_counter()
+                req.stats.steps.append(StepRecord(d.source or "none", len(d), len(path),
+                                                  (t1 - t0) / B, (t2 - t1) / B, predicted[b]))
+                results.append(self._emit(req, emitted))
+            except Exception as e:  # noqa: BLE001 - this request's verification: fail it alone
+                self._fail(req, e, "verification")
         dt = time.perf_counter() - t0
         for r in reqs:
             r.stats.decode_s += dt
         return results
+
+    def _live_drafts(self, reqs: list[Request]) -> tuple[list[Request], list[Draft], list[float | None]]:
+        """``_drafts`` for the batch, less the requests that failed while drafting."""
+        drafts, predicted = self._drafts(reqs)
+        live = [i for i, r in enumerate(reqs) if not r.finished]
+        return [reqs[i] for i in live], [drafts[i] for i in live], [predicted[i] for i in live]
+
+    @staticmethod
+    def _verify(req: Request, d: Draft, logits: torch.Tensor, walk, best) -> tuple[list[int], int]:
+        """The accepted draft path and the next token of one request from its rows of the forward
+        (``walk``: its device greedy walk, ``best``: its argmax row, when the batch computed them)."""
+        p = req.params
+        if p.greedy:
+            return walk if walk is not None else greedy_walk(best, d.token_ids, d.parents)
+        probs = target_probs(logits, p.temperature, p.top_k, p.top_p)
+        if probs.is_cuda and d.is_chain:  # kernels/rejection.py: one pass, one host sync
+            n_acc, nxt = rejection_sample_chain(probs, d.token_ids, None, req.generator)
+            return list(range(n_acc)), nxt
+        return rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
 
     @staticmethod
     def device_walks(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], int]]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+MIN_TEMPERATURE = 1e-5  # a smaller temperature is greedy decoding (as in vLLM)
 
 
 @dataclass
@@ -21,6 +24,12 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
+            raise ValueError("temperature and top_p must be finite numbers")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # 1/T would overflow the logits: decode greedily
+            self.temperature = 0.0
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -91,7 +100,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     pending: int | None = None  # last emitted token, not yet in the target's KV cache
     full_len: int | None = None  # slim tier: cache length up to which every layer is exact
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why this request failed (finish_reason "error"); the others go on
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)
 

@@ -25,13 +25,14 @@ def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application
     actor = dict(cfg.ray_actor_options)
     if cfg.device.startswith("cuda") and "num_gpus" not in actor:
         actor["num_gpus"] = 1
-    opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": cfg.replica_max_ongoing()}
+    drain = {"graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s}
+    opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": cfg.replica_max_ongoing(), **drain}
     if cfg.autoscaling_config is not None:
         auto = {"target_ongoing_requests": cfg.max_batch, **cfg.autoscaling_config}
         opts["autoscaling_config"] = auto
     else:
         opts["num_replicas"] = cfg.num_replicas or 1
-    replica = ModelReplica.options(**opts).bind(conf)
+    replica = ModelReplica.options(**opts).bind({**conf, "api_key": None})  # only the ingress checks keys
     ingress = OpenAIIngress.options(ray_actor_options=dict(cfg.ingress_ray_actor_options),
-                                    num_replicas=cfg.ingress_num_replicas)
+                                    num_replicas=cfg.ingress_num_replicas, **drain)
     return ingress.bind(replica, conf)

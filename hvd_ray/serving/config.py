@@ -59,7 +59,12 @@ class ServingConfig(BaseModel):
                                                  description="Ray resources of each tensor-parallel rank actor")
 
     # --- HTTP
-    api_key: str | None = Field(None, description="require `Authorization: Bearer <api_key>` (env HVD_RAY_API_KEY)")
+    api_key: str | None = Field(None, description="require `Authorization: Bearer <api_key>`; prefer the env "
+                                "HVD_RAY_API_KEY, which the ingress reads itself (args are visible in Serve's config)")
+    max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body; larger ones get a 413 "
+                                   "before they are parsed (from Content-Length, or while reading)")
+    max_prompt_chars: int | None = Field(None, ge=1, description="largest prompt (or sum of message texts) in "
+                                         "characters, refused before tokenising (default: 32 x max_model_len)")
 
     # --- Ray Serve deployment options
     num_replicas: int | None = Field(None, ge=1, description="fixed replica count (instead of autoscaling_config)")
@@ -68,6 +73,8 @@ class ServingConfig(BaseModel):
     max_ongoing_requests: int | None = Field(None, ge=1, description="per replica (default: 2 x max_batch)")
     ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     ingress_num_replicas: int = Field(1, ge=1)
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0, description="on shutdown (SIGTERM, serve delete, "
+                                               "scale-down) a replica waits this long for requests in flight")
 
     @field_validator("drafter")
     @classmethod
@@ -95,8 +102,6 @@ class ServingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ServingConfig":
-        if self.api_key is None and os.environ.get("HVD_RAY_API_KEY"):
-            self.api_key = os.environ["HVD_RAY_API_KEY"]
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("set either num_replicas or autoscaling_config, not both")
         if self.max_tokens >= self.max_model_len:
@@ -115,6 +120,14 @@ class ServingConfig(BaseModel):
             raise ValueError("drafter 'hvd' is not supported with tensor_parallel_size > 1 (its cost policy reads "
                              "timings, which would differ between ranks)")
         return self
+
+    def resolved_api_key(self) -> str | None:
+        """The key requests must carry: ``api_key``, else the env ``HVD_RAY_API_KEY`` of the process
+        that asks (the ingress replica), so a key from the environment never travels in args."""
+        return self.api_key or os.environ.get("HVD_RAY_API_KEY") or None
+
+    def prompt_char_limit(self) -> int:
+        return self.max_prompt_chars or 32 * self.max_model_len
 
     @property
     def model_id(self) -> str:

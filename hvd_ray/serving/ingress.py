@@ -9,6 +9,11 @@ The ingress does no model work: it validates, then calls the model replica throu
 ``DeploymentHandle`` and turns the replica's events into OpenAI objects. When the client goes
 away, Serve cancels this request; the ``finally`` blocks cancel the replica call, whose generator
 then aborts the request in the engine (its KV-cache slot is freed at the next step).
+
+Validation comes before any work and in order of cost: the API key, the body size (413 from
+``Content-Length`` or while reading, before parsing), JSON, the request model's ranges, then the
+prompt's size in characters (before the replica tokenises it). A replica that dies under a request
+is answered with a 503 (or an error event on a stream), never a hang.
 """
 
 
@@ -19,6 +24,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -74,6 +80,39 @@ async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     return JSONResponse(P.error_body(f"internal error: {e!r}", "server_error"), status_code=500)
 
 
+def _openapi() -> dict:
+    """The OpenAPI document with the real request bodies: the routes read their bodies themselves
+    (size limit first), so FastAPI cannot see the pydantic models; fuzzers and clients need them."""
+    if api.openapi_schema:
+        return api.openapi_schema
+    doc = get_openapi(title=api.title, version="1", description=api.description, routes=api.routes)
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", P.CompletionRequest), ("/v1/chat/completions", P.ChatCompletionRequest)):
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(js.pop("$defs", {}))
+        comps[model.__name__] = js
+        doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    doc["security"] = [{"bearer": []}]
+    api.openapi_schema = doc
+    return doc
+
+
+api.openapi = _openapi
+
+
+def _replica_failed(e: BaseException) -> P.APIError:
+    """A model replica that died or became unreachable under a request: a clean 503 to retry."""
+    logger.warning("model replica call failed: %r", e)
+    return P.APIError(503, f"the model replica failed while serving this request ({type(e).__name__}); "
+                      "retry it", "server_error", None, "replica_unavailable")
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -85,11 +124,12 @@ class OpenAIIngress:
         self.cfg = ServingConfig.model_validate(config)
         self.replica = replica
         self.names = self.cfg.accepted_model_names()
+        self.api_key = self.cfg.resolved_api_key()  # the env of this process, never the builder args
         self._info: dict | None = None
 
     # ------------------------------------------------------------------------------ helpers
     def _authorize(self, request: Request) -> None:
-        key = self.cfg.api_key
+        key = self.api_key
         if not key:
             return
         auth = request.headers.get("authorization", "")
@@ -98,12 +138,34 @@ class OpenAIIngress:
             raise P.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                              "invalid_request_error", None, "invalid_api_key")
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with a 413 as soon as it is known to exceed ``max_request_bytes``."""
+        limit = self.cfg.max_request_bytes
+
+        def too_large(n: int) -> P.APIError:
+            return P.APIError(413, f"the request body ({n} bytes or more) exceeds this server's limit of {limit} "
+                              "bytes", code="request_too_large")
+
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise P.APIError(400, "invalid Content-Length header", code="invalid_request")
+            if int(declared) > limit:
+                raise too_large(int(declared))
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(size)
+            parts.append(chunk)
+        return b"".join(parts)
+
     async def _parse(self, request: Request, model_cls):
         self._authorize(request)
-        raw = await request.body()
+        raw = await self._read_body(request)
         try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            obj = json.loads(raw, parse_constant=_no_constants)  # NaN / Infinity are not JSON
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise P.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise P.APIError(400, "the request body must be a JSON object", code="invalid_json")
@@ -115,6 +177,12 @@ class OpenAIIngress:
         if body.model is not None and body.model not in self.names:
             raise P.APIError(404, f"The model `{body.model}` does not exist. Available: {self.cfg.model_id}",
                              "invalid_request_error", "model", "model_not_found")
+        size, unit = body.prompt_size()
+        limit = self.cfg.prompt_char_limit() if unit == "characters" else self.cfg.max_model_len
+        if size > limit:
+            param = "messages" if model_cls is P.ChatCompletionRequest else "prompt"
+            raise P.APIError(400, f"the prompt has {size} {unit}; this server accepts at most {limit}", param=param,
+                             code="context_length_exceeded")
         return body
 
     def _check_max_tokens(self, n: int | None, param: str = "max_tokens") -> None:
@@ -127,9 +195,11 @@ class OpenAIIngress:
         gen = self.replica.options(stream=True).generate.remote(payload)
         try:
             first = await gen.__anext__()
-        except BaseException:
+        except (Exception, asyncio.CancelledError) as e:
             gen.cancel()
-            raise
+            if isinstance(e, (asyncio.CancelledError, P.APIError)):
+                raise
+            raise _replica_failed(e) from None
         if first["type"] == "error":
             raise P.APIError(first.get("status", 500), first["message"],
                              first.get("error_type", "invalid_request_error" if first.get("status", 500) < 500
@@ -149,7 +219,12 @@ class OpenAIIngress:
                     finish, done = ev, True
                 elif ev["type"] == "error":
                     done = True
-                    raise P.APIError(ev.get("status", 500), ev["message"], ev.get("error_type", "server_error"))
+                    raise P.APIError(ev.get("status", 500), ev["message"], ev.get("error_type", "server_error"),
+                                     None, ev.get("code"))
+        except (P.APIError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica died mid-request
+            raise _replica_failed(e) from None
         finally:
             if not done:
                 gen.cancel()
@@ -176,18 +251,23 @@ class OpenAIIngress:
         try:
             if kind == "chat":
                 yield _sse(chunk(None, None, role=True))
-            async for ev in gen:
-                if ev["type"] == "delta":
-                    yield _sse(chunk(ev["text"], None))
-                elif ev["type"] == "finish":
-                    done = True
-                    yield _sse(chunk(None, ev["finish_reason"]))
-                    if include_usage:
-                        use = P.usage(ev["prompt_tokens"], ev["completion_tokens"])
-                        yield _sse(P.usage_chunk(rid, model, created, obj, use))
-                elif ev["type"] == "error":
-                    done = True
-                    yield _sse(P.error_body(ev["message"], ev.get("error_type", "server_error")))
+            try:
+                async for ev in gen:
+                    if ev["type"] == "delta":
+                        yield _sse(chunk(ev["text"], None))
+                    elif ev["type"] == "finish":
+                        done = True
+                        yield _sse(chunk(None, ev["finish_reason"]))
+                        if include_usage:
+                            use = P.usage(ev["prompt_tokens"], ev["completion_tokens"])
+                            yield _sse(P.usage_chunk(rid, model, created, obj, use))
+                    elif ev["type"] == "error":
+                        done = True
+                        yield _sse(P.error_body(ev["message"], ev.get("error_type", "server_error"), None,
+                                                ev.get("code")))
+            except Exception as e:  # noqa: BLE001 - the replica died mid-stream: say so, then end the stream
+                done = True
+                yield _sse(_replica_failed(e).body())
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # client disconnected (or we failed): stop generating for it

@@ -4,15 +4,31 @@ Only what the server implements is modelled; unknown fields are ignored (clients
 official ``openai`` package send extra fields), while fields we cannot honour (``n > 1``,
 ``logprobs``, penalties, tools, ...) are rejected with a 400 naming the parameter rather than
 silently ignored.
+
+Every field that reaches the engine has a range checked here, before any work (the README's
+"Limits and failure behaviour" lists them): a request the engine cannot run must be a 400 naming
+its parameter, never an exception inside a decoding step shared with other requests.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+from ..engine.request import MIN_TEMPERATURE  # below it a temperature decodes greedily (1/T would overflow)
+
+# Limits of a request (documented in the README's "Limits and failure behaviour").
+MAX_SEED = 2**63  # seeds are in [0, 2**63): torch generators take a signed 64-bit seed
+MAX_TOP_K = 2**31 - 1
+MAX_STOP = 4  # stop strings per request, as in OpenAI's API
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1  # ids beyond the vocabulary are refused by the replica, which knows it
+MAX_MESSAGES = 1024
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class APIError(Exception):
@@ -45,20 +61,29 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension (vLLM); 0 = off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)  # extension (vLLM)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
+                               description=f"0 (or below {MIN_TEMPERATURE}) decodes greedily")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)  # extension (vLLM); 0 = off
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)  # extension (vLLM)
     ignore_eos: StrictBool = False  # extension (vLLM)
     n: int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else (v or []):
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string may have at most {MAX_STOP_CHARS} characters")
+        return v
 
     def check_supported(self) -> None:
         """Raise APIError(400) for parameters the server accepts syntactically but cannot honour."""
@@ -87,7 +112,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: StrictBool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -103,6 +128,17 @@ class CompletionRequest(_Common):
             raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+
+    def prompt_size(self) -> tuple[int, str]:
+        """(size, unit) of the prompt before tokenising: characters of text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return len(p), "characters"
+        if p and isinstance(p[0], str):
+            return sum(map(len, p)), "characters"
+        if p and isinstance(p[0], list):
+            return sum(map(len, p)), "tokens"
+        return len(p), "tokens"
 
     def single_prompt(self) -> dict:
         """{'prompt': str} or {'prompt_token_ids': [...]}; one prompt per request."""
@@ -127,6 +163,12 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    def size(self) -> int:
+        """Characters of text this message carries (bounded before the chat template runs)."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p["text"]) for p in self.content or () if isinstance(p.get("text"), str))
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -142,7 +184,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: int | None = None
@@ -169,6 +211,9 @@ class ChatCompletionRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt_size(self) -> tuple[int, str]:
+        return sum(m.size() for m in self.messages), "characters"
 
     def chat_messages(self) -> list[dict]:
         # 'developer' is OpenAI's newer name for 'system'; templates only know the latter

@@ -10,6 +10,11 @@ replica's event loop keeps serving (tokenising, detokenising, streaming) while a
 dicts, first ``{"type": "start", ...}`` or ``{"type": "error", ...}``, then ``delta`` events and a
 final ``finish`` event. Errors are events rather than exceptions so their status and message cross
 the handle intact.
+
+Failures: a request the engine fails alone (its drafting, sampling or verification raised) gets a
+500 error event and the loop goes on. If the loop itself fails (the shared target forward raised,
+so the KV cache's state is unknown) every request in flight or queued gets a 500 event at once,
+new ones a 503, ``check_health`` fails and Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+import psutil
 from ray import serve
 
 from ..engine.text import TextStreamer
@@ -79,6 +85,7 @@ class EngineLoop:
         self.cache_steps = 0  # decode steps that verified a suffix-cache draft
         self.finished = 0
         self.aborted = 0
+        self.failed = 0  # requests the engine failed alone (their error events were sent)
         self.steps = 0
         self.decode_s = 0.0  # time inside engine.step()
         self._thread = threading.Thread(target=self._run, name="hvd-engine-loop", daemon=True)
@@ -96,16 +103,16 @@ class EngineLoop:
         self._wake.set()
 
     def _post(self, item) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"the engine loop failed: {self.error!r}")
-        with self._lock:
+        with self._lock:  # the same lock as _die: nothing is queued after the loop has failed
+            if self.error is not None:
+                raise RuntimeError(f"the engine loop failed: {self.error!r}")
             self._inbox.append(item)
         self._wake.set()
 
     def stats(self) -> dict:
         eng = self.engine
         return {"waiting": len(eng.waiting), "running": len(eng.running), "free_slots": len(eng.free_slots),
-                "steps": self.steps, "finished": self.finished, "aborted": self.aborted,
+                "steps": self.steps, "finished": self.finished, "aborted": self.aborted, "failed": self.failed,
                 "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
                 "cache_chosen_rate": self.cache_steps / self.decode_steps if self.decode_steps else 0.0,
                 "healthy": self.error is None and self._thread.is_alive()}
@@ -119,7 +126,7 @@ class EngineLoop:
                 _, ids, params, req_id, stream = item
                 try:
                     req = self.engine.add_request(ids, params, req_id)
-                except ValueError as e:  # validated before submit; a last line of defence
+                except Exception as e:  # noqa: BLE001 - validated before submit; a last line of defence
                     self._deliver(stream, {"type": "error", "status": 400, "message": str(e)})
                     continue
                 self._reqs[req_id] = (req, stream)
@@ -138,38 +145,57 @@ class EngineLoop:
             pass
 
     def _run(self) -> None:
-        while not self._stop:
-            self._drain()
-            if not self.engine.has_unfinished():
-                for d in getattr(self.engine, "drafters", ()):  # e.g. sync with the suffix actor
-                    if hasattr(d, "flush"):
-                        d.flush()
-                self._publish_queue()
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            try:
+        try:
+            while not self._stop:
+                self._drain()
+                if not self.engine.has_unfinished():
+                    self._idle()
+                    continue
                 t0 = time.perf_counter()
-                outs = self.engine.step()
+                outs = self.engine.step()  # raises only when the shared forward failed
                 self.decode_s += time.perf_counter() - t0
-            except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
-                self.error = e
-                logger.error("engine step failed:\n%s", traceback.format_exc())
-                for _, stream in self._reqs.values():
-                    self._deliver(stream, {"type": "error", "status": 500, "message": f"engine failure: {e!r}",
-                                           "error_type": "server_error"})
-                self._reqs.clear()
-                return  # check_health now fails and Serve replaces this replica
-            self.steps += 1
-            for out in outs:
-                self._dispatch(out)
-            self._publish_queue()
+                self.steps += 1
+                for out in outs:
+                    self._dispatch(out)
+                self._publish_queue()
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
+            self._die(e)
+
+    def _idle(self) -> None:
+        for d in getattr(self.engine, "drafters", ()):  # e.g. sync with the suffix actor
+            if hasattr(d, "flush"):
+                try:
+                    d.flush()
+                except Exception:  # noqa: BLE001 - a background sync; the next idle turn retries
+                    logger.exception("drafter %s failed to flush", getattr(d, "name", d))
+        self._publish_queue()
+        self._wake.wait(timeout=1.0)
+        self._wake.clear()
+
+    def _die(self, e: BaseException) -> None:
+        """The engine's state is unknown: fail every request in flight or queued, refuse new ones
+        (``_post``), and let ``check_health`` fail so Serve replaces this replica."""
+        logger.error("engine loop failed; this replica is unhealthy:\n%s", traceback.format_exc())
+        with self._lock:
+            self.error = e
+            queued, self._inbox = list(self._inbox), deque()
+        streams = [entry[1] for entry in self._reqs.values()] + [it[4] for it in queued if it[0] == "add"]
+        self._reqs.clear()
+        for stream in streams:
+            self._deliver(stream, {"type": "error", "status": 500, "message": f"engine failure: {e!r}",
+                                   "error_type": "server_error", "code": "engine_failure"})
 
     def _dispatch(self, out) -> None:
         entry = self._reqs.get(out.req_id)
         if entry is None:
             return
         req, stream = entry
+        if out.finish_reason == "error":  # the engine failed this request alone
+            del self._reqs[out.req_id]
+            self.failed += 1
+            self._deliver(stream, {"type": "error", "status": 500, "message": f"this request failed: {out.error}",
+                                   "error_type": "server_error", "code": "request_failed"})
+            return
         payload = {"type": "tokens", "tokens": out.new_tokens, "finished": out.finished,
                    "finish_reason": out.finish_reason}
         if out.finished:
@@ -203,7 +229,7 @@ class EngineLoop:
 
 
 # ------------------------------------------------------------------------------ the deployment
-@serve.deployment(name="ModelReplica", max_ongoing_requests=8, health_check_period_s=10)
+@serve.deployment(name="ModelReplica", max_ongoing_requests=8, health_check_period_s=2)
 class ModelReplica:
     """Holds the target model and an Engine with the configured drafter."""
 
@@ -303,6 +329,7 @@ class ModelReplica:
         out["drafters"] = {d.name: (d.stats() if hasattr(d, "stats") else {}) for d in drafters}
         out["live_drafter_requests"] = sum(d.live_requests() for d in drafters if hasattr(d, "live_requests"))
         out["decode_s"] = self.loop.decode_s
+        out["rss_bytes"] = psutil.Process().memory_info().rss  # leak checks under load (bench/load.py)
         return out
 
     def _tokenize(self, req: dict) -> tuple[list[int], str]:
@@ -371,7 +398,7 @@ class ModelReplica:
                 if first and ev["tokens"]:
                     first = False
                     if self.metrics:
-                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                        self.metrics.ttft.observe(max(time.perf_counter() - t0, 0.0))
                 n_out += len(ev["tokens"])
                 piece = text.push(ev["tokens"])
                 finish = ev["finish_reason"] if ev["finished"] else None
@@ -385,18 +412,25 @@ class ModelReplica:
                     yield {"type": "delta", "text": piece}
                 if finish is not None:
                     done = True
-                    if self.metrics:
-                        self.metrics.tokens.inc(n_out)
-                        self.metrics.requests.inc(tags={"finish_reason": finish})
+                    self._count(n_out, finish)
                     yield {"type": "finish", "finish_reason": finish, "prompt_tokens": len(ids),
                            "completion_tokens": n_out, "stats": ev.get("stats")}
                     return
         finally:
             if not done:  # client went away (generator closed / cancelled): free the slot
                 self.loop.abort(req_id)
-                if self.metrics:
-                    self.metrics.tokens.inc(n_out)
-                    self.metrics.requests.inc(tags={"finish_reason": "abort"})
+                self._count(n_out, "abort")
+
+    def _count(self, n_out: int, finish: str) -> None:
+        """Per-request metrics; they must never fail the request (a Counter refuses inc(0))."""
+        if self.metrics is None:
+            return
+        try:
+            if n_out:
+                self.metrics.tokens.inc(n_out)
+            self.metrics.requests.inc(tags={"finish_reason": finish})
+        except Exception:  # noqa: BLE001
+            logger.exception("metrics update failed")
 
 
 class _ClientError(Exception):

@@ -19,6 +19,11 @@ import torch
 from .tree import tree_children
 
 
+class NonFiniteProbabilities(ValueError):
+    """A request's sampling distribution holds NaN or inf (e.g. logits overflowed under 1/T): its
+    draw would be garbage or raise deep inside torch, so the request fails here, alone."""
+
+
 def _as_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
     return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
@@ -48,7 +53,11 @@ def target_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
         drop_sorted = mass_before >= top_p                 # the top token is always kept
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    return x.softmax(-1)
+    probs = x.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise NonFiniteProbabilities(f"the sampling distribution is not finite (temperature {temperature}, "
+                                     f"top_k {top_k}, top_p {top_p})")
+    return probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -233,7 +233,9 @@ class SlimStep:
         from ..engine.request import StepRecord
 
         t0 = time.perf_counter()
-        drafts, predicted = engine._drafts(reqs)
+        reqs, drafts, predicted = engine._live_drafts(reqs)
+        if not reqs:
+            return []
         t1 = time.perf_counter()
         cache, dev = self.model.cache, self.model.device
         B = len(reqs)
@@ -286,6 +288,8 @@ class SlimStep:
         t2 = time.perf_counter()
         results = []
         for b, req in enumerate(reqs):
+            if req.finished:  # failed in verification (engine._fail); released by the engine
+                continue
             if b in settled:
                 v = settled[b]
                 toks = drafts[b].token_ids[: v.accepted] + ([v.token] if v.token is not None else [])
@@ -298,7 +302,10 @@ class SlimStep:
                 accepted[b], (t1 - t0) / B, (t2 - t1) / B, predicted[b],
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
                 full_forward=b not in settled))
-            results.append(engine._emit(req, emitted[b]))
+            try:
+                results.append(engine._emit(req, emitted[b]))
+            except Exception as e:  # noqa: BLE001 - a drafter's accept: fail this request alone
+                engine._fail(req, e, "emitting tokens")
         dt = time.perf_counter() - t0
         for r in reqs:
             r.stats.decode_s += dt
@@ -331,11 +338,15 @@ class SlimStep:
         best = out.logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None
         for b, (req, lag, d) in enumerate(zip(reqs, lags, drafts)):
             g, p = len(lag), req.params
-            if p.greedy:
-                path, nxt = greedy_walk(best[b][g:], d.token_ids, d.parents)
-            else:
-                probs = target_probs(out.logits[b, g: widths[b]], p.temperature, p.top_k, p.top_p)
-                path, nxt = rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
+            try:
+                if p.greedy:
+                    path, nxt = greedy_walk(best[b][g:], d.token_ids, d.parents)
+                else:
+                    probs = target_probs(out.logits[b, g: widths[b]], p.temperature, p.top_k, p.top_p)
+                    path, nxt = rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
+            except Exception as e:  # noqa: BLE001 - this request's verification: fail it alone
+                engine._fail(req, e, "verification")
+                continue
             keep = list(range(g + 1)) + [g + 1 + i for i in path]
             cache.compact(req.slot, req.full_len, keep)
             req.full_len = cache.lengths[req.slot]

@@ -1,0 +1,1 @@
+"""Client-side measurement machinery (load generation), shared by tests and jobs."""

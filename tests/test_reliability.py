@@ -1,0 +1,284 @@
+"""No request can break serving: named bad inputs, a schemathesis fuzz of our own OpenAPI document,
+load at concurrency 32 with disconnects, and the model replica killed under load.
+
+One application for the module with the serving defaults (drafter ``hvd``: suffix cache + the
+shipped EAGLE-3 head under the cost policy, the shared suffix actor in mirror mode, 4 slots) on a
+real local Ray, the API key from the environment (``HVD_RAY_API_KEY``) as the README recommends.
+Two settings differ, to keep CI short: the per-request ``max_tokens`` limit is 16, and the dtype is
+float32 (on CPUs without bf16 matrix units, e.g. AVX2-only EPYCs, a bf16 prefill is ~6x slower than
+fp32). The exact default (bf16, ``make run``) is served over HTTP in ``test_serve_default.py`` and
+soaked for 10 minutes by ``jobs/soak.py`` (``benchmarks/reliability.md``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-hvd-reliability"
+MAX_BATCH = 4
+CONFIG = {"max_tokens": 16, "dtype": "float32", "max_model_len": 2048, "max_batch": MAX_BATCH, "torch_threads": 2,
+          "ray_actor_options": {"num_cpus": 0.5}, "ingress_ray_actor_options": {"num_cpus": 0.1},
+          "num_replicas": 1, "graceful_shutdown_timeout_s": 5}
+GOOD = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def base_url(default_folder):
+    import ray
+    from ray import serve
+
+    from hvd_ray.serving import build_app
+
+    old = os.environ.get("HVD_RAY_API_KEY")
+    os.environ["HVD_RAY_API_KEY"] = API_KEY  # inherited by the local Ray instance's workers
+    started = False
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        started = True
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(CONFIG), name="hvd-rel", route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+        if old is None:
+            os.environ.pop("HVD_RAY_API_KEY", None)
+        else:
+            os.environ["HVD_RAY_API_KEY"] = old
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    import httpx
+
+    with httpx.Client(base_url=base_url, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _good(http) -> None:
+    r = http.post("/v1/chat/completions", json=GOOD)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def _error_shaped(r) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def _wait_idle(http, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = http.get("/stats").json()
+        if (s["running"] == 0 and s["waiting"] == 0 and s["live_drafter_requests"] == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.25)
+
+
+# ---------------------------------------------------------------------------------- bad inputs
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BAD = {  # name: (path, body, status, param, code); every one is followed by a good request
+    "temperature_1e-45_decodes_greedily": (COMP, {"prompt": "x", "temperature": 1e-45, "max_tokens": 2}, 200, None, None),
+    "seed_2**64": (COMP, {"prompt": "x", "temperature": 0.7, "seed": 2**64}, 400, "seed", None),
+    "seed_negative": (COMP, {"prompt": "x", "temperature": 0.7, "seed": -1}, 400, "seed", None),
+    "temperature_above_2": (CHAT, {"messages": MSG, "temperature": 2.5}, 400, "temperature", None),
+    "temperature_NaN": (COMP, b'{"prompt": "x", "temperature": NaN}', 400, None, "invalid_json"),
+    "temperature_Infinity": (COMP, b'{"prompt": "x", "temperature": Infinity}', 400, None, "invalid_json"),
+    "top_p_above_1": (COMP, {"prompt": "x", "top_p": 1.5}, 400, "top_p", None),
+    "top_k_negative": (COMP, {"prompt": "x", "top_k": -1}, 400, "top_k", None),
+    "top_k_2**64": (COMP, {"prompt": "x", "top_k": 2**64}, 400, "top_k", None),
+    "five_stop_strings": (COMP, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    "stop_string_too_long": (COMP, {"prompt": "x", "stop": "s" * 300}, 400, "stop", None),
+    "stop_token_ids_too_many": (COMP, {"prompt": "x", "stop_token_ids": list(range(65))}, 400, "stop_token_ids", None),
+    "stop_token_id_negative": (COMP, {"prompt": "x", "stop_token_ids": [-5]}, 400, "stop_token_ids", None),
+    "prompt_token_id_2**40": (COMP, {"prompt": [1, 2**40]}, 400, "prompt", None),
+    "prompt_token_id_beyond_vocab": (COMP, {"prompt": [1, 10**6], "max_tokens": 2}, 400, "prompt", None),
+    "prompt_token_ids_too_many": (COMP, {"prompt": [1] * 2049}, 400, "prompt", "context_length_exceeded"),
+    "prompt_too_many_chars": (COMP, {"prompt": "a" * (32 * 2048 + 1)}, 400, "prompt", "context_length_exceeded"),
+    "messages_too_many": (CHAT, {"messages": MSG * 1025}, 400, "messages", None),
+    "message_content_too_big": (CHAT, {"messages": [{"role": "user", "content": "é" * 70000}]}, 400, "messages",
+                                "context_length_exceeded"),
+    "message_content_part_not_text": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                                      400, "messages", None),
+    "max_tokens_over_limit": (CHAT, {"messages": MSG, "max_tokens": 17}, 400, "max_tokens", None),
+    "max_tokens_2**70": (CHAT, {"messages": MSG, "max_tokens": 2**70}, 400, "max_tokens", None),
+    "n_2": (CHAT, {"messages": MSG, "n": 2}, 400, "n", None),
+    "logit_bias": (CHAT, {"messages": MSG, "logit_bias": {"1": 5}}, 400, "logit_bias", None),
+    "json_nested_too_deep": (CHAT, b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None, None),
+    "body_not_utf8": (CHAT, b'{"messages": "\xff\xfe"}', 400, None, "invalid_json"),
+    "stream_not_bool": (CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream", None),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_named_bad_input_then_a_good_request(http, name):
+    path, body, status, param, code = BAD[name]
+    t0 = time.perf_counter()
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    took = time.perf_counter() - t0
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    else:
+        err = _error_shaped(r)
+        assert err["type"] == "invalid_request_error" and err["param"] == param, err
+        if code:
+            assert err["code"] == code, err
+        assert took < 1.0, f"{name}: refused after {took:.2f} s"
+    _good(http)
+
+
+def test_a_30_mb_body_is_refused_before_parsing(base_url, http):
+    import httpx
+
+    big = b'{"messages": [{"role": "user", "content": "' + b"a" * (30 * 2**20) + b'"}]}'
+    t0 = time.perf_counter()
+    r = httpx.post(f"{base_url}{CHAT}", content=big, headers={**http.headers, "Content-Type": "application/json"},
+                   timeout=60)
+    took = time.perf_counter() - t0
+    assert r.status_code == 413, r.text
+    assert _error_shaped(r)["code"] == "request_too_large"
+    assert took < 1.0, f"413 after {took:.2f} s"
+
+    # a generator body is sent chunked, without Content-Length: the limit holds while reading
+    r = httpx.post(f"{base_url}{CHAT}", content=(b"a" * 2**20 for _ in range(30)),
+                   headers={**http.headers, "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and _error_shaped(r)["code"] == "request_too_large"
+    _good(http)
+
+
+# ---------------------------------------------------------------------------------------- fuzz
+FUZZ_EXAMPLES = {"positive": 20, "negative": 25}
+
+
+def test_schemathesis_fuzz_finds_no_server_error(base_url, http):
+    """Our own /openapi.json, fuzzed: valid and invalid bodies for completions and chat completions
+    and the models route. Zero 5xx; every 4xx carries the OpenAI error body; serving goes on."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    statuses: Counter = Counter()
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.path not in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
+            continue
+        for mode, n in FUZZ_EXAMPLES.items():
+            strategy = op.as_strategy(generation_mode=GenerationMode(mode))
+
+            @settings(max_examples=n if op.method.upper() == "POST" else 3, deadline=None, database=None,
+                      derandomize=True, phases=[Phase.explicit, Phase.generate],
+                      suppress_health_check=list(HealthCheck))
+            @given(case=strategy)
+            def fuzz(case):
+                resp = case.call(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+                statuses[(op.path, mode, resp.status_code)] += 1
+                assert resp.status_code < 500, (case.body, resp.text)
+                if resp.status_code >= 400:
+                    _error_shaped(resp)
+
+            fuzz()
+    print("fuzz outcomes:", dict(statuses))
+    assert sum(statuses.values()) >= 2 * sum(FUZZ_EXAMPLES.values())
+    assert any(k[2] == 200 for k in statuses) and any(400 <= k[2] < 500 for k in statuses)
+    _good(http)
+
+
+# ---------------------------------------------------------------------------------------- load
+def test_load_at_concurrency_32_fails_nothing(base_url, http):
+    """Mixed streamed / plain, sampled / greedy chat and completions with hang-ups, 32 at a time:
+    zero failures; afterwards KV slots, the suffix trees and the actor's requests are back to idle."""
+    import ray
+
+    from hvd_ray.bench.load import real_prompts, run_load
+
+    _good(http)
+    before = _wait_idle(http)
+    res = asyncio.run(run_load(base_url, concurrency=32, requests=64, max_tokens=16, disconnect_share=0.15,
+                               api_key=API_KEY, seed=1, prompts=real_prompts(max_chars=2000)))
+    s = res.summary()
+    print("load:", json.dumps(s))
+    assert res.failed == 0, s["errors"]
+    assert res.ok + res.disconnected == res.sent == 64 and res.disconnected > 0
+    after = _wait_idle(http)
+    assert after["running"] == 0 and after["waiting"] == 0 and after["free_slots"] == MAX_BATCH, after
+    assert after["live_drafter_requests"] == 0, after
+    assert after["finished"] - before["finished"] >= res.ok  # + hang-ups that finished before noticing
+    assert after["failed"] == before["failed"] == 0
+    actor = ray.get_actor("hvd-suffix-drafter", namespace="hvd_ray")
+    deadline = time.monotonic() + 30
+    while ray.get(actor.stats.remote())["requests"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.get(actor.stats.remote())["requests"] == 0
+    growth = (after["rss_bytes"] - before["rss_bytes"]) / 2**20
+    print(f"replica RSS {before['rss_bytes'] / 2**20:.0f} -> {after['rss_bytes'] / 2**20:.0f} MiB")
+    assert growth < 256, f"replica RSS grew {growth:.0f} MiB over 64 requests"
+
+
+# -------------------------------------------------------------------------------------- faults
+def test_killing_the_model_replica_under_load(base_url, http):
+    """Requests in flight when the replica dies end with a clean error (a 503, or an error event
+    on a stream), none hangs; Serve starts a new replica and requests succeed again."""
+    import ray
+
+    from hvd_ray.bench.load import real_prompts, run_load
+
+    _good(http)
+    name = next(n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                if "ModelReplica" in n["name"] and n["name"].startswith("SERVE_REPLICA"))
+    replica = ray.get_actor(name, namespace="serve")
+    out: dict = {}
+    runner = threading.Thread(target=lambda: out.setdefault("res", asyncio.run(run_load(
+        base_url, concurrency=8, requests=24, max_tokens=16, disconnect_share=0.0, api_key=API_KEY, seed=2,
+        timeout_s=300, prompts=real_prompts(max_chars=2000)))))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while http.get("/stats").json()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t_kill = time.monotonic()
+    ray.kill(replica, no_restart=True)
+    runner.join(timeout=400)
+    assert not runner.is_alive(), "a request hung after the replica died"
+    res = out["res"]
+    print("under the kill:", json.dumps(res.summary()))
+    assert res.ok + res.failed == 24
+    assert all(k.startswith("HTTP 503") or k.startswith("ValueError: error event: the model replica failed")
+               for k in res.errors), res.errors
+    while True:  # recovery: the first request that succeeds after the kill
+        r = http.post(CHAT, json=GOOD)
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and _error_shaped(r)["type"] == "server_error", r.text
+        assert time.monotonic() - t_kill < 300, "Serve did not replace the replica"
+        time.sleep(0.5)
+    print(f"recovered {time.monotonic() - t_kill:.1f} s after the kill")
+    assert http.get("/health").json() == {"status": "ok"}
