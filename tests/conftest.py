@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,6 +56,38 @@ def default_folder() -> Path:
     from hvd_ray.model.registry import resolve
 
     return resolve("default")
+
+
+# ------------------------------------------------------------------------------ a live Serve application
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(config: dict, name: str):
+    """The application ``build_app(config)`` on a real local Ray + Serve; yields its base URL."""
+    import ray
+    from ray import serve
+
+    from hvd_ray.serving import build_app
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        started = True
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name=name, route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
 
 
 # ------------------------------------------------- real-model lossless references (test_speculative, test_tiered)

@@ -39,7 +39,7 @@ def test_non_finite_sampling_fails_only_that_request(target, prompts, plain):
 
     with pytest.raises(NonFiniteProbabilities):
         target_probs(torch.tensor([1.0, 2.0, 3.0]), temperature=1e-45)
-    assert SamplingParams(temperature=1e-45).greedy  # what the server now decodes it as
+    assert SamplingParams(temperature=1e-45).greedy  # the engine API decodes it greedily (the server refuses it)
 
     model, _ = target
     engine = Engine(model, drafters=[make_drafter("suffix", model)], max_batch=4, max_len=1024)

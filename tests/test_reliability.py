@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import threading
 import time
-from collections import Counter
 
 import pytest
+from conftest import serve_app
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -36,26 +34,12 @@ GOOD = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "
 
 @pytest.fixture(scope="module")
 def base_url(default_folder):
-    import ray
-    from ray import serve
-
-    from hvd_ray.serving import build_app
-
     old = os.environ.get("HVD_RAY_API_KEY")
     os.environ["HVD_RAY_API_KEY"] = API_KEY  # inherited by the local Ray instance's workers
-    started = False
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        started = True
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(CONFIG), name="hvd-rel", route_prefix="/")
     try:
-        yield f"http://127.0.0.1:{port}"
+        with serve_app(CONFIG, "hvd-rel") as url:
+            yield url
     finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
         if old is None:
             os.environ.pop("HVD_RAY_API_KEY", None)
         else:
@@ -70,12 +54,6 @@ def http(base_url):
         yield c
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _good(http) -> None:
     r = http.post("/v1/chat/completions", json=GOOD)
     assert r.status_code == 200, r.text
@@ -83,10 +61,10 @@ def _good(http) -> None:
 
 
 def _error_shaped(r) -> dict:
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["message"]
-    return body["error"]
+    from hvd_ray.bench.fuzz import check_error_body
+
+    check_error_body(r)
+    return r.json()["error"]
 
 
 def _wait_idle(http, timeout: float = 120.0) -> dict:
@@ -103,7 +81,8 @@ CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 BAD = {  # name: (path, body, status, param, code); every one is followed by a good request
-    "temperature_1e-45_decodes_greedily": (COMP, {"prompt": "x", "temperature": 1e-45, "max_tokens": 2}, 200, None, None),
+    "temperature_1e-45": (COMP, {"prompt": "x", "temperature": 1e-45, "max_tokens": 2}, 400, "temperature", None),
+    "temperature_1e-5_samples": (COMP, {"prompt": "x", "temperature": 1e-5, "max_tokens": 2}, 200, None, None),
     "seed_2**64": (COMP, {"prompt": "x", "temperature": 0.7, "seed": 2**64}, 400, "seed", None),
     "seed_negative": (COMP, {"prompt": "x", "temperature": 0.7, "seed": -1}, 400, "seed", None),
     "temperature_above_2": (CHAT, {"messages": MSG, "temperature": 2.5}, 400, "temperature", None),
@@ -182,34 +161,12 @@ FUZZ_EXAMPLES = {"positive": 20, "negative": 25}
 def test_schemathesis_fuzz_finds_no_server_error(base_url, http):
     """Our own /openapi.json, fuzzed: valid and invalid bodies for completions and chat completions
     and the models route. Zero 5xx; every 4xx carries the OpenAI error body; serving goes on."""
-    import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
-    from schemathesis import GenerationMode
+    from hvd_ray.bench.fuzz import fuzz
 
-    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
-    statuses: Counter = Counter()
-    for result in schema.get_all_operations():
-        op = result.ok()
-        if op.path not in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
-            continue
-        for mode, n in FUZZ_EXAMPLES.items():
-            strategy = op.as_strategy(generation_mode=GenerationMode(mode))
-
-            @settings(max_examples=n if op.method.upper() == "POST" else 3, deadline=None, database=None,
-                      derandomize=True, phases=[Phase.explicit, Phase.generate],
-                      suppress_health_check=list(HealthCheck))
-            @given(case=strategy)
-            def fuzz(case):
-                resp = case.call(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
-                statuses[(op.path, mode, resp.status_code)] += 1
-                assert resp.status_code < 500, (case.body, resp.text)
-                if resp.status_code >= 400:
-                    _error_shaped(resp)
-
-            fuzz()
-    print("fuzz outcomes:", dict(statuses))
-    assert sum(statuses.values()) >= 2 * sum(FUZZ_EXAMPLES.values())
-    assert any(k[2] == 200 for k in statuses) and any(400 <= k[2] < 500 for k in statuses)
+    outcomes = fuzz(base_url, API_KEY, FUZZ_EXAMPLES)
+    print("fuzz outcomes:", dict(outcomes))
+    assert sum(outcomes.values()) >= 2 * sum(FUZZ_EXAMPLES.values())
+    assert any(k[2] == 200 for k in outcomes) and any(400 <= k[2] < 500 for k in outcomes)
     _good(http)
 
 
@@ -248,37 +205,16 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
 def test_killing_the_model_replica_under_load(base_url, http):
     """Requests in flight when the replica dies end with a clean error (a 503, or an error event
     on a stream), none hangs; Serve starts a new replica and requests succeed again."""
-    import ray
-
-    from hvd_ray.bench.load import real_prompts, run_load
+    from hvd_ray.bench.faults import kill_replica_under_load
+    from hvd_ray.bench.load import real_prompts
 
     _good(http)
-    name = next(n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
-                if "ModelReplica" in n["name"] and n["name"].startswith("SERVE_REPLICA"))
-    replica = ray.get_actor(name, namespace="serve")
-    out: dict = {}
-    runner = threading.Thread(target=lambda: out.setdefault("res", asyncio.run(run_load(
-        base_url, concurrency=8, requests=24, max_tokens=16, disconnect_share=0.0, api_key=API_KEY, seed=2,
-        timeout_s=300, prompts=real_prompts(max_chars=2000)))))
-    runner.start()
-    deadline = time.monotonic() + 60
-    while http.get("/stats").json()["running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    t_kill = time.monotonic()
-    ray.kill(replica, no_restart=True)
-    runner.join(timeout=400)
-    assert not runner.is_alive(), "a request hung after the replica died"
-    res = out["res"]
-    print("under the kill:", json.dumps(res.summary()))
-    assert res.ok + res.failed == 24
-    assert all(k.startswith("HTTP 503") or k.startswith("ValueError: error event: the model replica failed")
-               for k in res.errors), res.errors
-    while True:  # recovery: the first request that succeeds after the kill
-        r = http.post(CHAT, json=GOOD)
-        if r.status_code == 200:
-            break
-        assert r.status_code == 503 and _error_shaped(r)["type"] == "server_error", r.text
-        assert time.monotonic() - t_kill < 300, "Serve did not replace the replica"
-        time.sleep(0.5)
-    print(f"recovered {time.monotonic() - t_kill:.1f} s after the kill")
+    k = kill_replica_under_load(base_url, API_KEY, concurrency=8, requests=24, max_tokens=16, app="hvd-rel",
+                                prompts=real_prompts(max_chars=2000), timeout_s=300)
+    print("under the kill:", json.dumps(k.load.summary()), f"recovered {k.recovery_s:.1f} s after the kill")
+    assert not k.hung, "a request hung after the replica died"
+    assert k.load.ok + k.load.failed == 24 and k.load.failed > 0
+    assert all(e.startswith("HTTP 503") or e.startswith("ValueError: error event: the model replica failed")
+               for e in k.load.errors), k.load.errors
+    assert k.probes[-1] == 200 and set(k.probes[:-1]) <= {503}, k.probes
     assert http.get("/health").json() == {"status": "ok"}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +24,7 @@ KEY = "sk-hvd-default-9f3a1c"
 
 @pytest.fixture(scope="module")
 def server(default_folder, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "HVD_RAY_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
     with open(log, "w") as out:  # `make run` is this command with --port 8000

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import serve_app
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -32,32 +32,10 @@ CHAT = "Name three colours."
 N = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(default_folder):  # default_folder: the model is provisioned before Ray starts
-    import ray
-    from ray import serve
-
-    from hvd_ray.serving import build_app
-
-    started = False
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        started = True
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(CONFIG), name="hvd-test", route_prefix="/")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+    with serve_app(CONFIG, "hvd-test") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

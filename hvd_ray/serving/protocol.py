@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from ..engine.request import MIN_TEMPERATURE  # below it a temperature decodes greedily (1/T would overflow)
+from ..engine.request import MIN_TEMPERATURE  # smaller non-zero temperatures are refused (1/T would overflow)
 
 # Limits of a request (documented in the README's "Limits and failure behaviour").
 MAX_SEED = 2**63  # seeds are in [0, 2**63): torch generators take a signed 64-bit seed
@@ -62,7 +62,7 @@ class _Common(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
-                               description=f"0 (or below {MIN_TEMPERATURE}) decodes greedily")
+                               description=f"0 decodes greedily; else at least {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)  # extension (vLLM); 0 = off
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
@@ -76,6 +76,13 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(None, max_length=256)
+
+    @field_validator("temperature")
+    @classmethod
+    def _dividable(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:  # 1/T would overflow the logits
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return v
 
     @field_validator("stop")
     @classmethod
