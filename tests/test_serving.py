@@ -471,6 +471,45 @@ def test_protocol_validation():
             P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **bad).check_supported()
 
 
+def test_protocol_limits():
+    """Every range the README's limits table promises, at the pydantic level (before any work)."""
+    from pydantic import ValidationError
+
+    from hvd_ray.serving import protocol as P
+
+    ok = {"prompt": "x"}
+    for field, bad, good in [("seed", 2**63, 2**63 - 1), ("seed", -1, 0), ("temperature", 1e-45, 1e-5),
+                             ("temperature", 2.01, 0), ("temperature", float("nan"), 1.0),
+                             ("top_p", 0.0, 1e-3), ("top_k", 2**31, 2**31 - 1),
+                             ("stop", ["a"] * 5, ["a"] * 4), ("stop", "s" * 257, "s" * 256),
+                             ("stop_token_ids", [0] * 65, [0] * 64), ("stop_token_ids", [2**31], [2**31 - 1]),
+                             ("prompt", [2**31], [2**31 - 1]), ("user", "u" * 257, "u" * 256)]:
+        with pytest.raises(ValidationError) as e:
+            P.CompletionRequest(**{**ok, field: bad})
+        assert e.value.errors()[0]["loc"][0] == field
+        P.CompletionRequest(**{**ok, field: good})
+    msg = {"role": "user", "content": "hi"}
+    with pytest.raises(ValidationError):
+        P.ChatCompletionRequest(messages=[msg] * (P.MAX_MESSAGES + 1))
+    chat = P.ChatCompletionRequest(messages=[msg, {"role": "user", "content": [{"type": "text", "text": "abc"}]}])
+    assert chat.prompt_size() == (5, "characters")
+    assert P.CompletionRequest(prompt=[[1, 2, 3]]).prompt_size() == (3, "tokens")
+    assert P.CompletionRequest(prompt="héllo").prompt_size() == (5, "characters")
+
+
+def test_api_key_comes_from_the_environment_of_the_process_that_checks(monkeypatch):
+    from hvd_ray.serving import ServingConfig
+
+    monkeypatch.delenv("HVD_RAY_API_KEY", raising=False)
+    cfg = ServingConfig()
+    assert cfg.api_key is None and cfg.resolved_api_key() is None
+    monkeypatch.setenv("HVD_RAY_API_KEY", "sk-env")
+    assert ServingConfig().api_key is None  # never copied into the config (hence never into Serve args)
+    assert cfg.resolved_api_key() == "sk-env"  # read where the key is checked (the ingress replica)
+    assert ServingConfig(api_key="sk-file").resolved_api_key() == "sk-file"
+    assert cfg.prompt_char_limit() == 32 * cfg.max_model_len
+
+
 def test_config_and_builder():
     from pydantic import ValidationError
     from ray.serve import Application

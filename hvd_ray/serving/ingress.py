@@ -103,10 +103,17 @@ api.openapi = _openapi
 
 
 def _replica_failed(e: BaseException) -> P.APIError:
-    """A model replica that died or became unreachable under a request: a clean 503 to retry."""
+    """The replica call raised: a replica that died or became unreachable is a clean 503 to retry;
+    an exception inside its code (a bug) is a 500."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
     logger.warning("model replica call failed: %r", e)
-    return P.APIError(503, f"the model replica failed while serving this request ({type(e).__name__}); "
-                      "retry it", "server_error", None, "replica_unavailable")
+    if isinstance(e, (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)):
+        return P.APIError(503, f"the model replica failed while serving this request ({type(e).__name__}); "
+                          "retry it", "server_error", None, "replica_unavailable")
+    return P.APIError(500, f"the model replica failed on this request ({type(e).__name__})", "server_error",
+                      None, "replica_error")
 
 
 def _no_constants(name: str):

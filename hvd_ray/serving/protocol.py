@@ -66,7 +66,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)  # extension (vLLM); 0 = off
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)  # extension (vLLM)
     ignore_eos: StrictBool = False  # extension (vLLM)
     n: int = 1
