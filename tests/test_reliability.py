@@ -155,7 +155,7 @@ def test_a_30_mb_body_is_refused_before_parsing(base_url, http):
 
 
 # ---------------------------------------------------------------------------------------- fuzz
-FUZZ_EXAMPLES = {"positive": 20, "negative": 25}
+FUZZ_EXAMPLES = {"positive": 15, "negative": 20}
 
 
 def test_schemathesis_fuzz_finds_no_server_error(base_url, http):
@@ -180,12 +180,12 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
 
     _good(http)
     before = _wait_idle(http)
-    res = asyncio.run(run_load(base_url, concurrency=32, requests=64, max_tokens=16, disconnect_share=0.15,
+    res = asyncio.run(run_load(base_url, concurrency=32, requests=48, max_tokens=16, disconnect_share=0.3,
                                api_key=API_KEY, seed=1, prompts=real_prompts(max_chars=2000)))
     s = res.summary()
     print("load:", json.dumps(s))
     assert res.failed == 0, s["errors"]
-    assert res.ok + res.disconnected == res.sent == 64 and res.disconnected > 0
+    assert res.ok + res.disconnected == res.sent == 48 and res.disconnected > 0
     after = _wait_idle(http)
     assert after["running"] == 0 and after["waiting"] == 0 and after["free_slots"] == MAX_BATCH, after
     assert after["live_drafter_requests"] == 0, after
@@ -198,7 +198,7 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
     assert ray.get(actor.stats.remote())["requests"] == 0
     growth = (after["rss_bytes"] - before["rss_bytes"]) / 2**20
     print(f"replica RSS {before['rss_bytes'] / 2**20:.0f} -> {after['rss_bytes'] / 2**20:.0f} MiB")
-    assert growth < 256, f"replica RSS grew {growth:.0f} MiB over 64 requests"
+    assert growth < 256, f"replica RSS grew {growth:.0f} MiB over 48 requests"
 
 
 # -------------------------------------------------------------------------------------- faults
@@ -209,11 +209,11 @@ def test_killing_the_model_replica_under_load(base_url, http):
     from hvd_ray.bench.load import real_prompts
 
     _good(http)
-    k = kill_replica_under_load(base_url, API_KEY, concurrency=8, requests=24, max_tokens=16, app="hvd-rel",
+    k = kill_replica_under_load(base_url, API_KEY, concurrency=8, requests=16, max_tokens=16, app="hvd-rel",
                                 prompts=real_prompts(max_chars=2000), timeout_s=300)
     print("under the kill:", json.dumps(k.load.summary()), f"recovered {k.recovery_s:.1f} s after the kill")
     assert not k.hung, "a request hung after the replica died"
-    assert k.load.ok + k.load.failed == 24 and k.load.failed > 0
+    assert k.load.ok + k.load.failed == 16 and k.load.failed > 0
     assert all(e.startswith("HTTP 503") or e.startswith("ValueError: error event: the model replica failed")
                for e in k.load.errors), k.load.errors
     assert k.probes[-1] == 200 and set(k.probes[:-1]) <= {503}, k.probes
