@@ -16,8 +16,9 @@ PROBE = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, 
 class KillOutcome:
     load: LoadResult  # the requests sent around the kill
     hung: bool  # some request never ended
-    recovery_s: float  # kill -> first request that succeeded after it
-    probes: list[int]  # the status of each probe until then (503s expected)
+    healthy_s: float  # kill -> /health answers ok again (a replacement replica serves)
+    recovery_s: float  # kill -> the first request sent after the kill that succeeded
+    probes: list[int]  # the status of each such request until then (503s expected)
 
 
 def model_replica(app: str | None = None):
@@ -35,7 +36,8 @@ def kill_replica_under_load(base_url: str, api_key: str | None = None, *, concur
                             max_tokens: int = 16, prompts=None, app: str | None = None,
                             timeout_s: float = 600.0) -> KillOutcome:
     """Start ``requests`` requests ``concurrency`` at a time, kill the model replica once the engine
-    runs some, wait for them all, then probe until a request succeeds again."""
+    runs some, time how long until ``/health`` is ok again and until a request sent after the kill
+    succeeds, then wait for the clients' requests to end."""
     import httpx
     import ray
 
@@ -52,13 +54,18 @@ def kill_replica_under_load(base_url: str, api_key: str | None = None, *, concur
             time.sleep(0.05)
         t_kill = time.monotonic()
         ray.kill(replica, no_restart=True)  # Serve notices the dead actor and starts a new replica
-        runner.join(timeout=timeout_s)
-        probes = []
+        healthy = None
+        probes: list[int] = []
         while time.monotonic() - t_kill < timeout_s:
-            r = http.post("/v1/chat/completions", json=PROBE)
-            probes.append(r.status_code)
-            if r.status_code == 200:
-                break
+            if healthy is None and httpx.get(f"{base_url}/health", timeout=30).status_code == 200:
+                healthy = time.monotonic() - t_kill
+            if healthy is not None:  # a new request, queued behind what the clients still send
+                r = http.post("/v1/chat/completions", json=PROBE)
+                probes.append(r.status_code)
+                if r.status_code == 200:
+                    break
             time.sleep(0.5)
         recovery = time.monotonic() - t_kill
-    return KillOutcome(out.get("res", LoadResult()), runner.is_alive(), recovery, probes)
+        runner.join(timeout=timeout_s)
+    return KillOutcome(out.get("res", LoadResult()), runner.is_alive(), healthy if healthy is not None else float("inf"),
+                       recovery, probes)
