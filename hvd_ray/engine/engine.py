@@ -251,20 +251,21 @@ class Engine:
         def ask(r: Request) -> DraftRequest:
             return DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r))
 
+        where = f"drafting ({getattr(src, 'name', 'drafter')})"
         try:
             return list(src.propose([ask(r) for r in reqs]))
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             if len(reqs) == 1:
-                out: list[Draft | None] = []
-            else:
-                logger.exception("drafter %s failed on a batch of %d; retrying per request",
-                                 getattr(src, "name", src), len(reqs))
-                out = []
-        for r in reqs[len(out):]:
+                self._fail(reqs[0], e, where)
+                return [None]
+            logger.exception("drafter %s failed on a batch of %d; retrying per request",
+                             getattr(src, "name", src), len(reqs))
+        out: list[Draft | None] = []
+        for r in reqs:
             try:
                 out.append(src.propose([ask(r)])[0])
             except Exception as e:  # noqa: BLE001
-                self._fail(r, e, f"drafting ({getattr(src, 'name', 'drafter')})")
+                self._fail(r, e, where)
                 out.append(None)
         return out
 
