@@ -20,6 +20,8 @@ import time
 import pytest
 from conftest import serve_app
 
+from hvd_ray.bench.load import wait_idle
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 pytestmark = pytest.mark.slow
@@ -67,15 +69,6 @@ def _error_shaped(r) -> dict:
     return r.json()["error"]
 
 
-def _wait_idle(http, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = http.get("/stats").json()
-        if (s["running"] == 0 and s["waiting"] == 0 and s["live_drafter_requests"] == 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.25)
-
-
 # ---------------------------------------------------------------------------------- bad inputs
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -91,6 +84,7 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
     "top_p_above_1": (COMP, {"prompt": "x", "top_p": 1.5}, 400, "top_p", None),
     "top_k_negative": (COMP, {"prompt": "x", "top_k": -1}, 400, "top_k", None),
     "top_k_2**64": (COMP, {"prompt": "x", "top_k": 2**64}, 400, "top_k", None),
+    "top_p_denormal_samples": (COMP, {"prompt": "x", "top_p": 5e-324, "max_tokens": 2}, 200, None, None),
     "five_stop_strings": (COMP, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
     "stop_string_too_long": (COMP, {"prompt": "x", "stop": "s" * 300}, 400, "stop", None),
     "stop_token_ids_too_many": (COMP, {"prompt": "x", "stop_token_ids": list(range(65))}, 400, "stop_token_ids", None),
@@ -187,18 +181,18 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
     from hvd_ray.bench.load import real_prompts, run_load
 
     _good(http)
-    before = _wait_idle(http)
+    before = wait_idle(http)
     res = asyncio.run(run_load(base_url, concurrency=32, requests=48, max_tokens=16, disconnect_share=0.3,
                                api_key=API_KEY, seed=1, prompts=real_prompts(max_chars=2000)))
     s = res.summary()
     print("load:", json.dumps(s))
     assert res.failed == 0, s["errors"]
     assert res.ok + res.disconnected == res.sent == 48 and res.disconnected > 0
-    after = _wait_idle(http)
+    after = wait_idle(http)
     assert after["running"] == 0 and after["waiting"] == 0 and after["free_slots"] == MAX_BATCH, after
     assert after["live_drafter_requests"] == 0, after
     assert after["finished"] - before["finished"] >= res.ok  # + hang-ups that finished before noticing
-    assert after["failed"] == before["failed"] == 0
+    assert after["failed"] == before["failed"]  # the engine failed no request under load
     actor = ray.get_actor("hvd-suffix-drafter", namespace="hvd_ray")
     deadline = time.monotonic() + 30
     while ray.get(actor.stats.remote())["requests"] and time.monotonic() < deadline:

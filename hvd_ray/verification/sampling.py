@@ -50,7 +50,9 @@ def target_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
         sorted_x, order = x.sort(dim=-1, descending=True)
         sorted_p = sorted_x.softmax(-1)
         mass_before = sorted_p.cumsum(-1) - sorted_p       # mass of strictly more likely tokens
-        drop_sorted = mass_before >= top_p                 # the top token is always kept
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False                        # the top token is always kept (also when
+                                                           # top_p rounds to 0 in float32, e.g. 5e-324)
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     probs = x.softmax(-1)
