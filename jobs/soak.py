@@ -30,19 +30,6 @@ from pathlib import Path
 KEY = "sk-soak"
 
 
-def _stats(http) -> dict:
-    return http.get("/stats").json()
-
-
-def _idle(http, timeout: float = 300.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _stats(http)
-        if (s["running"] == 0 and s["waiting"] == 0 and s["live_drafter_requests"] == 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.5)
-
-
 def _actor_requests() -> int:
     import ray
 
@@ -71,7 +58,7 @@ def main() -> None:
 
     from hvd_ray.bench.faults import kill_replica_under_load
     from hvd_ray.bench.fuzz import fuzz
-    from hvd_ray.bench.load import real_prompts, run_load
+    from hvd_ray.bench.load import real_prompts, run_load, wait_idle
     from hvd_ray.serving import ServingConfig, build_app
 
     conf = {"num_replicas": 1, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.arg)}}
@@ -91,11 +78,11 @@ def main() -> None:
         with httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {KEY}"}) as http:
             http.post("/v1/completions", json={"prompt": "warm up", "max_tokens": 2}).raise_for_status()
             if "soak" in args.phases:
-                before = _idle(http)
+                before = wait_idle(http, timeout=300)
                 print(f"[soak] {args.concurrency} clients for {args.minutes} min against {url}", flush=True)
                 res = asyncio.run(run_load(url, concurrency=args.concurrency, duration_s=60 * args.minutes,
                                            max_tokens=args.max_tokens, api_key=KEY, progress_every_s=30))
-                after = _idle(http)
+                after = wait_idle(http, timeout=300)
                 report["soak"] = {**res.summary(), "command": cmd, "config": conf, "minutes": args.minutes,
                                   "concurrency": args.concurrency, "rss_start_mib": before["rss_bytes"] / 2**20,
                                   "rss_end_mib": after["rss_bytes"] / 2**20, "free_slots_end": after["free_slots"],

@@ -51,6 +51,16 @@ class LoadResult:
                 "tokens_per_s": round(self.completion_tokens / self.wall_s, 1) if self.wall_s else 0.0}
 
 
+def wait_idle(http, timeout: float = 120.0, poll: float = 0.25) -> dict:
+    """The server's ``/stats`` once nothing runs, waits or holds a suffix tree (or at ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = http.get("/stats").json()
+        if (s["running"] == 0 and s["waiting"] == 0 and s["live_drafter_requests"] == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(poll)
+
+
 def real_prompts(n_per_workload: int = 8, workloads=("code", "chat", "function_calling"),
                  max_chars: int | None = None) -> list[list[dict]]:
     """Chat messages of real test-split prompts (at most ``max_chars`` of text each, if set),
