@@ -284,32 +284,139 @@ DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 SPEC_RAW_KEYS = ("tokens", "time", "forwards", "steps", "dec_tokens", "draft_s", "cache_steps")
 
 
+def spec_table(rows: dict, workloads, methods) -> list[str]:
+    """The per-workload rows of one regime (MAT, fwd/1k, tok/s, speedup over greedy, ...)."""
+    lines = ["| workload | method | MAT | fwd/1k | tok/s | speedup | draft share | cache chosen |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for w in workloads:
+        g = rows.get((w, "greedy"))
+        if not g:
+            continue
+        g_tps = g["tokens"] / g["time"]
+        for m in methods:
+            r = rows[(w, m)]
+            tps = r["tokens"] / r["time"]
+            lines.append(f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
+                         f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
+                         f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% |")
+    return lines
+
+
+CACHE_METHODS = ("suffix", "hvd-always-cache")
+MODEL_METHODS = ("eagle3", "eagle3-tree", "layerskip", "hvd-always-model")
+
+
+def dominance_table(by_regime: dict, workloads, methods) -> list[str]:
+    """P2's bars per regime and workload: hvd-cost tok/s over the best single source (always-cache,
+    always-model) of the same run, and its forwards per 1k tokens over the live oracle's."""
+    cache = [m for m in methods if m in CACHE_METHODS]
+    model = [m for m in methods if m in MODEL_METHODS]
+    if "hvd-cost" not in methods or not (cache or model):
+        return []
+    lines = ["| regime | workload | hvd-cost tok/s | best single source | hvd-cost / best | hvd-cost fwd/1k | "
+             "oracle fwd/1k | hvd-cost / oracle fwd |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for regime, rows in by_regime.items():
+        for w in workloads:
+            if (w, "hvd-cost") not in rows:
+                continue
+            tps = {m: rows[(w, m)]["tokens"] / rows[(w, m)]["time"] for m in cache + model + ["hvd-cost"]}
+            best = max(cache + model, key=tps.get)
+            fwd = lambda m: 1000 * rows[(w, m)]["forwards"] / max(rows[(w, m)]["tokens"], 1)  # noqa: E731
+            orc = f"{fwd('oracle'):.0f}" if (w, "oracle") in rows else "-"
+            ratio = f"{fwd('hvd-cost') / fwd('oracle'):.2f}" if (w, "oracle") in rows else "-"
+            lines.append(f"| {regime} | {w} | {tps['hvd-cost']:.1f} | {best} {tps[best]:.1f} | "
+                         f"**{tps['hvd-cost'] / tps[best]:.2f}** | {fwd('hvd-cost'):.0f} | {orc} | {ratio} |")
+    return lines
+
+
 def bench_spec(args) -> str:
-    """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s."""
+    """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s,
+    in each suffix-history regime asked for (``hvd_ray.bench.regimes``)."""
+    from hvd_ray.bench.regimes import agent_turn, history_prompts
+    from hvd_ray.traces.history import past_outputs, warm_global_tree
+
     model, tok = load("default", args.dtype)
     n_per = args.prompts or (3 if args.quick else 6)
     split = None if args.split == "all" else args.split
     prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens, split, args.user_workloads)
+    packaged = list(args.workloads)
     args.workloads = [*args.workloads, *(label for label, _ in args.user_workloads)]
-    max_len = args.max_prompt_tokens + args.max_tokens + 64
-    methods: dict[str, tuple[list, object]] = {"greedy": ([], None)}
-    for name in args.drafters:
-        try:
-            methods[name] = make_method(name, model, tok, args, max_len)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"skipping {name}: {e}", file=sys.stderr)
-    from hvd_ray.traces.history import past_outputs, warm_global_tree
+    regimes = list(args.regimes)
+    agent_room = args.max_tokens + 96 if "agent" in regimes else 0  # the first answer + the follow-up
+    max_len = args.max_prompt_tokens + agent_room + args.max_tokens + 64
+    names = ["greedy", *args.drafters]
+
+    def fresh(history=()) -> dict[str, Runner]:
+        runners = {}
+        for name in names:
+            try:
+                if name == "oracle":
+                    from report_methods import engine_method_runner, make_engine_method
+
+                    eng, orc = make_engine_method("oracle", model, tok, args, max_len)
+                    runners[name] = engine_method_runner(eng, orc)
+                    warm_global_tree(eng.drafters, history)
+                    continue
+                ds, pol = ([], None) if name == "greedy" else make_method(name, model, tok, args, max_len)
+            except (ValueError, FileNotFoundError) as e:
+                print(f"skipping {name}: {e}", file=sys.stderr)
+                continue
+            warm_global_tree(ds, history)  # a serving system's global tree holds its past outputs
+            eng = Engine(model, drafters=ds, policy=pol, max_batch=1, max_len=max_len,
+                         num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id])
+            runners[name] = engine_runner(eng)
+        return runners
 
     warm = past_outputs(args.warm_traces) if args.warm_traces else []
-    for ds, _ in methods.values():  # a serving system's global tree holds its past outputs
-        warm_global_tree(ds, warm)
-    engines = {m: Engine(model, drafters=ds, policy=pol, max_batch=1, max_len=max_len,
-                         num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id])
-               for m, (ds, pol) in methods.items()}
     params = SamplingParams(max_tokens=args.max_tokens)
-    engines["greedy"].generate([prompts[0][2]], params)  # warm-up
-    runs = run_interleaved({m: engine_runner(e) for m, e in engines.items()}, prompts, params)
-    rows, identical = runs.rows, runs.identical
+    by_regime: dict[str, dict] = {}
+    identical: dict[str, list] = {}
+    notes = []
+    first = [r for r in regimes if r != "warm-history"]
+    if first:  # cold, then warm-repeat and agent on the same engines (their trees hold the earlier passes)
+        runners = fresh(warm if "cold" not in regimes else ())
+        runners["greedy"](prompts[0][2], params, None)  # warm-up
+        base = run_interleaved(runners, prompts, params, "cold ")
+        if "cold" in regimes:
+            by_regime["cold"] = base.rows
+        for m, v in base.identical.items():
+            identical.setdefault(m, []).extend(v)
+        if "warm-repeat" in regimes:
+            runs = run_interleaved(runners, prompts, params, "warm-repeat ")
+            by_regime["warm-repeat"] = runs.rows
+            for m, v in runs.identical.items():
+                identical.setdefault(m, []).extend(v)
+        if "agent" in regimes:
+            from hvd_ray.workloads import load_workload
+
+            objs = {p.id: p for w in packaged for p in load_workload(w, split=split)}
+            turns = [(w, f"{pid}/agent", agent_turn(objs[pid], tok.decode(base.outputs[(w, pid, "greedy")],
+                                                                           skip_special_tokens=True), tok))
+                     for w, pid, _ in prompts if pid in objs]
+            runs = run_interleaved(runners, turns, params, "agent ")
+            by_regime["agent"] = runs.rows
+            for m, v in runs.identical.items():
+                identical.setdefault(m, []).extend(v)
+    if "warm-history" in regimes:
+        history = list(warm)
+        if not history:  # decode train-split prompts of the same workloads with plain greedy
+            t0 = time.perf_counter()
+            hist_ids = history_prompts(tok, packaged, args.history_prompts, args.max_prompt_tokens)
+            g = Engine(model, max_batch=1, max_len=max_len, num_draft_tokens=0, eos_token_ids=[tok.eos_token_id])
+            history = [(f"history-{i}", r.output) for i, r in enumerate(g.generate([ids], params)[0]
+                                                                         for ids in hist_ids)]
+            notes.append(f"warm-history: the global trees start with {len(history)} outputs of train-split prompts "
+                         f"of the same workloads ({args.history_prompts} per workload), decoded here with plain "
+                         f"greedy in {time.perf_counter() - t0:.0f} s.")
+        else:
+            notes.append(f"warm-history: the global trees start with {len(history)} past outputs "
+                         f"(the train-split traces in `{args.warm_traces}`).")
+        runners = fresh(history)
+        runs = run_interleaved(runners, prompts, params, "warm-history ")
+        by_regime["warm-history"] = runs.rows
+        for m, v in runs.identical.items():
+            identical.setdefault(m, []).extend(v)
+    methods = [m for m in names if any((w, m) in rows for rows in by_regime.values() for w in args.workloads)]
 
     lines = [
         "# Speculative decoding benchmark: greedy vs drafters (batch 1)",
@@ -321,36 +428,42 @@ def bench_spec(args) -> str:
         + "".join(f" (`{label}`: the user prompt file `{f}`)"
                   for (label, _), f in zip(args.user_workloads, args.prompt_file))
         + ", "
-        f"draft budget {args.num_draft_tokens} tokens (`-tree` = tree drafts); "
+        f"draft budget {args.num_draft_tokens} tokens for model drafters and up to "
+        f"{max(args.num_draft_tokens, 64)} for the suffix cache (sized by its match; `-tree` = tree drafts); "
         "every method runs on a prompt before the next prompt (interleaved). The suffix drafter's global "
         + (f"tree starts with {len(warm)} past outputs (the train-split traces in `{args.warm_traces}`, as a "
            "serving system's history would hold them) and fills with this run's outputs."
-           if warm else "tree starts empty and fills with this run's outputs."),
+           if warm and regimes == ["cold"] else "tree starts empty and fills with this run's outputs"
+           + (" (regimes below)." if regimes != ["cold"] else ".")),
         "",
         "MAT = mean accepted tokens per target forward (decode steps: accepted draft tokens + 1); "
         "fwd/1k = target forwards (prefill included) per 1,000 generated tokens; speedup = tok/s over "
         "greedy's tok/s on the same prompts in the same run; draft share = drafting time / wall time; "
         "cache chosen = share of decode steps that verified a suffix-cache draft.",
         "",
-        "| workload | method | MAT | fwd/1k | tok/s | speedup | draft share | cache chosen |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for w in args.workloads:
-        g = rows.get((w, "greedy"))
-        if not g:
-            continue
-        g_tps = g["tokens"] / g["time"]
-        for m in methods:
-            r = rows[(w, m)]
-            tps = r["tokens"] / r["time"]
-            lines.append(f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
-                         f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
-                         f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% |")
-    lines += ["", f"Outputs identical to greedy ({DTYPE_NAMES[args.dtype]}"
+    if regimes != ["cold"]:
+        lines += ["Regimes (`hvd_ray/bench/regimes.py`): cold = empty history; warm-repeat = the same prompts "
+                  "again on the same engines; agent = a second turn (the prompt, greedy's first answer, a "
+                  "follow-up asking for it again, revised) on the same engines; warm-history = fresh engines whose "
+                  "global trees hold other requests' outputs of the same workloads.", *notes, ""]
+        dom = dominance_table(by_regime, args.workloads, methods)
+        if dom:
+            lines += ["## HVD against its own drafters (P2's bars: hvd-cost / best >= 0.97, "
+                      "hvd-cost fwd/1k within 10 % of the live oracle's)", "", *dom, ""]
+    for regime, rows in by_regime.items():
+        if regimes != ["cold"]:
+            lines += [f"## {regime}", ""]
+        lines += spec_table(rows, args.workloads, methods) + [""]
+    lines += [f"Outputs identical to greedy ({DTYPE_NAMES[args.dtype]}"
               + ("; batch-shape rounding may flip near-ties" if args.dtype != "float32" else "") + "): " +
               ", ".join(f"{m} {sum(v)}/{len(v)}" for m, v in identical.items() if m != "greedy"), ""]
-    return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(
-        {f"{w}/{m}": {k: v[k] for k in SPEC_RAW_KEYS} for (w, m), v in rows.items()}, indent=1) + "\n```\n</details>\n"
+    raw = {}
+    for regime, rows in by_regime.items():
+        for (w, m), v in rows.items():
+            raw[f"{w}/{m}" if regime == "cold" else f"{regime}:{w}/{m}"] = {k: v[k] for k in SPEC_RAW_KEYS}
+    return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) \
+        + "\n```\n</details>\n"
 
 
 # ----------------------------------------------------------------------------------------- http
@@ -368,7 +481,7 @@ def bench_http(args) -> str:
     prompts = [ids for _, _, ids in prompt_ids(tok, ("function_calling", "code", "code_edit", "chat"), n_per, 1024)]
     drafter, _, mode = args.serve_drafter.partition(":")
     mode = mode or "mirror"
-    config = {"model": "default", "dtype": "bfloat16", "drafter": drafter, "max_batch": 8,
+    config = {"model": "default", "dtype": args.dtype, "drafter": drafter, "max_batch": 8,
               "max_model_len": 2048, "max_tokens": 1024, "torch_threads": args.threads, "num_replicas": 1,
               "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1},
               "suffix_actor_mode": mode}
@@ -412,8 +525,8 @@ def bench_http(args) -> str:
         one(prompts[0])  # warm-up
         with httpx.Client(base_url=base) as c:
             s0 = c.get("/stats").json()
-        for conc in (1, 8):
-            work = prompts * (2 if conc == 8 else 1)
+        for conc in args.concurrency:
+            work = prompts * (2 if conc >= 8 else 1)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(conc) as pool:
                 res = list(pool.map(one, work))
@@ -426,6 +539,7 @@ def bench_http(args) -> str:
             s0 = s1
             toks = sum(r["tokens"] for r in res)
             raw[f"c{conc}"] = res
+            args.http_tps[(args.serve_drafter, conc)] = toks / wall
             rows.append(f"| {conc} | {len(work)} | {len(work) / wall:.2f} | {toks / wall:.1f} | "
                         f"{pct([r['latency'] for r in res], 0.5):.2f} | {pct([r['latency'] for r in res], 0.99):.2f} | "
                         f"{pct([r['ttft'] for r in res], 0.5):.2f} | {pct([r['ttft'] for r in res], 0.99):.2f} | "
@@ -435,16 +549,16 @@ def bench_http(args) -> str:
         serve.shutdown()
         ray.shutdown()
     lines = [
-        "# HTTP benchmark: the Ray Serve app at concurrency 1 and 8",
+        f"# HTTP benchmark: the Ray Serve app at concurrency {', '.join(map(str, args.concurrency))}",
         "",
         f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`  ",
         f"Machine: {machine_line()}  ",
-        f"Server: one replica, SmolLM2-135M-Instruct bf16, drafter `{drafter}`"
+        f"Server: one replica, SmolLM2-135M-Instruct {DTYPE_NAMES[args.dtype]}, drafter `{drafter}`"
         + (f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
            + (" + shipped EAGLE-3 head, cost policy)" if drafter == "hvd" else ")") if drafter in ("hvd", "suffix") else "")
         + f", max_batch 8, {args.threads} torch threads; greedy, up to {args.max_tokens} new tokens; "
         f"{len(prompts)} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
-        "(`/v1/completions`, SSE). Concurrency 8 sends every prompt twice.",
+        "(`/v1/completions`, SSE). Concurrency 8 and above sends every prompt twice.",
         "",
         "Latency = request start to `[DONE]`; TTFT = request start to the first text chunk; "
         "actor wait = time the engine loop spent on suffix-drafter actor calls (blocked on them in `remote` mode; "
@@ -462,9 +576,10 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
     """``bench_http`` once per server in ``args.servers`` (``drafter[:suffix_actor_mode]``); writes
     benchmarks/http.md (or ``--out``) when every server ran. Returns (server, markdown) pairs."""
     out = []
+    tps: dict = {}
     for server in args.servers:
         a = argparse.Namespace(**vars(args))
-        a.serve_drafter = server
+        a.serve_drafter, a.http_tps = server, tps
         try:
             md = bench_http(a)
         except Exception as e:  # noqa: BLE001 - the report says why the HTTP cells are missing
@@ -472,7 +587,18 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
         out.append((server, md))
     if all(not md.startswith("not run") for _, md in out):
         dest = Path(getattr(args, "http_out", None) or ROOT / "benchmarks" / "http.md")
-        dest.write_text("\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
+        summary = ""
+        base = args.servers[0]
+        if len(args.servers) > 1:  # tokens/s of each server over the first one's, per concurrency
+            head = "| concurrency | " + " | ".join(f"`{d}` tok/s" for d in args.servers) + " | " + \
+                " | ".join(f"`{d}` / `{base}`" for d in args.servers[1:]) + " |"
+            rows = [f"| {c} | " + " | ".join(f"{tps[(d, c)]:.1f}" for d in args.servers) + " | " +
+                    " | ".join(f"**{tps[(d, c)] / tps[(base, c)]:.2f}x**" for d in args.servers[1:]) + " |"
+                    for c in args.concurrency]
+            summary = ("# HTTP benchmark summary (servers run one after another in one job)\n\n"
+                       f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`\n\n"
+                       + "\n".join([head, "| --- |" + " --- |" * (2 * len(args.servers) - 1), *rows]) + "\n\n")
+        dest.write_text(summary + "\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
         print(f"wrote {dest}", file=sys.stderr)
     return out
 
@@ -486,10 +612,16 @@ def main() -> None:
     ap.add_argument("--predictor", default=None, help="yield predictor for hvd-* methods (default: shipped)")
     ap.add_argument("--model-drafter", default="eagle3", help="model drafter of hvd-* methods")
     ap.add_argument("--num-draft-tokens", type=int, default=16)
+    ap.add_argument("--regimes", nargs="+", default=["cold"], choices=["cold", "warm-repeat", "agent", "warm-history"],
+                    help="spec: suffix-history regimes to measure (hvd_ray/bench/regimes.py)")
+    ap.add_argument("--history-prompts", type=int, default=8,
+                    help="spec warm-history without --warm-traces: train-split prompts per workload decoded for the history")
     ap.add_argument("--warm-traces", default=None,
                     help="spec: seed suffix drafters' global trees with the train-split outputs in this trace folder")
     ap.add_argument("--servers", nargs="+", default=["none", "hvd:mirror", "hvd:remote"],
                     help="http: servers to run, drafter[:suffix_actor_mode] (hvd, suffix, none, ...; mirror | remote)")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8],
+                    help="http: concurrent streaming clients, one measurement per value")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
     ap.add_argument("--threads", type=int, default=2)

@@ -28,7 +28,7 @@ import torch
 from hvd_ray.drafters.base import Draft, DraftRequest
 from hvd_ray.engine import Engine, SamplingParams
 from hvd_ray.engine.engine import Choice
-from hvd_ray.selection.policy import Policy
+from hvd_ray.selection.policy import Policy, matched
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,21 +38,6 @@ class NotRun(Exception):
 
 
 # ------------------------------------------------------------------------------------ oracle
-def accepted_against(draft: Draft, truth: Sequence[int]) -> int:
-    """Tokens of ``draft`` (chain or tree) that greedy verification against ``truth`` accepts:
-    the deepest draft path that equals a prefix of ``truth``."""
-    depth: list[int] = []  # matched depth of each node (0 = not matched)
-    best = 0
-    for tok, par in zip(draft.token_ids, draft.parents):
-        d = 0
-        pd = 0 if par < 0 else depth[par]
-        if (par < 0 or pd > 0) and pd < len(truth) and truth[pd] == tok:
-            d = pd + 1
-        depth.append(d)
-        best = max(best, d)
-    return best
-
-
 class LiveOracle(Policy):
     """Selection upper bound at run time: drafts from both sources and picks the draft the target
     accepts more of, read off greedy's output for the prompt (``reference``; set per prompt).
@@ -71,10 +56,11 @@ class LiveOracle(Policy):
     def __call__(self, req, engine) -> Choice:
         budget = engine.draft_budget(req)
         truth = self.reference[len(req.output):]
-        cache = self.cache.speculate(req.req_id, budget).truncated(budget)
+        long_budget = max(budget, engine.draft_budget(req, self.cache))
+        cache = self.cache.speculate(req.req_id, long_budget).truncated(long_budget)
         model = self.model.propose([DraftRequest(req.req_id, req.slot, req.tokens, budget)])[0].truncated(budget) \
             if self.model is not None and budget > 0 else Draft()
-        y_c, y_m = accepted_against(cache, truth), accepted_against(model, truth)
+        y_c, y_m = matched(cache, truth), matched(model, truth)
         if len(cache) and y_c >= y_m:
             return Choice(self.cache, cache, float(y_c))
         if len(model):
@@ -89,6 +75,7 @@ class ArcticDrafter:
 
     name = "arctic-suffix"
     needs_taps: tuple[int, ...] = ()
+    adaptive_length = True  # the same cache budget as our suffix drafter
 
     def __init__(self, tree: bool = False, max_depth: int = 64):
         try:

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "jobs"))
 
-from report_methods import accepted_against  # noqa: E402
+from hvd_ray.selection.policy import matched as accepted_against  # noqa: E402
 
 from hvd_ray.drafters.base import Draft  # noqa: E402
 

@@ -316,11 +316,54 @@ def test_cost_policy_judges_the_model_per_request_and_calibrates_the_cache():
     assert fixed.request_model("z", 5, StepRecord("eagle3", 5, 0, draft_s=0.004, verify_s=0.01)) == (2.0, None)
 
     for _ in range(40):  # global-tree drafts get half of what the predictor promises
-        pol.learn(StepRecord("suffix-global", 8, 2, draft_s=0.0, verify_s=0.012, predicted=4.0))
+        pol.learn_cache("suffix-global", 2.0, 4.0)
     assert pol.cache_scale["suffix-global"] == pytest.approx(0.5, rel=0.05)
     assert "suffix-request" not in pol.cache_scale
     both = StepView(np.zeros(3, np.float32), cache_len=8, model_len=5)
     assert pol.rates(both, 4.0, "suffix-global")["cache"] < pol.rates(both, 4.0, "suffix-request")["cache"]
+    assert pol.cache_key("suffix-global", 3) == "suffix-global"
+    assert pol.cache_key("suffix-global", 40) == "suffix-global/long"  # repeats are calibrated apart
+
+
+def test_cost_policy_extends_confident_cache_drafts_and_shrinks_drafts_with_the_batch():
+    """A cache draft predicted to be taken whole is verified at the cache drafter's own length when
+    the measured costs say the longer forward pays; an unsure one is cut to the model budget; the
+    same draft is not worth verifying when eight requests share a forward whose cost grows with
+    its width (fp32 costs measured on an AVX2 CPU)."""
+    from hvd_ray.engine.costs import StepCosts
+
+    costs = StepCosts({1: 1.0, 2: 1.77, 8: 1.83, 16: 2.23, 32: 2.9, 64: 3.5, 128: 6.0})
+    pol = CostPolicy(constant_predictor(16.0), cost_table=costs, adapt=0.2)
+    sure = StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=0, cache_long=64)
+    assert pol.decide(sure)[0] == CACHE and sure.take == 64
+    unsure = StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=0, cache_long=64)
+    pol2 = CostPolicy(constant_predictor(4.0), cost_table=costs)
+    assert pol2.decide(unsure)[0] == CACHE and unsure.take == 16
+    weak = StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=0, cache_long=64)
+    assert CostPolicy(constant_predictor(0.5), cost_table=costs).decide(weak)[0] == NONE  # 2 tokens cost 1.77x
+    some = CostPolicy(constant_predictor(1.5), cost_table=costs)
+    alone = StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=0, cache_long=64)
+    busy = StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=0, cache_long=64, batch=8)
+    assert some.decide(alone)[0] == CACHE and alone.take == 16  # 2.5 tokens for 2.23x
+    assert some.decide(busy)[0] == NONE  # 8 rows x 17 tokens cost 3.4x 8 rows x 1
+
+
+def test_cost_policy_relearns_the_cache_from_steps_that_did_not_verify_it():
+    """The cache draft made to decide is scored against what the step emitted, so a tree whose
+    scale fell is re-measured while the model drafter is chosen (the warm-cache trap)."""
+    from hvd_ray.drafters.base import Draft
+    from hvd_ray.engine.request import Request, SamplingParams, StepRecord
+
+    pol = CostPolicy(constant_predictor(1.0), model=_Eagle(), model_accept=2.0, adapt=0.3)
+    pol.cache_scale["suffix-global"] = 0.1  # one bad draft pushed it to the floor
+    req = Request("r", [1, 2, 3], SamplingParams())
+    truth = [7, 8, 9]
+    for step in range(6):
+        n0 = len(req.output)
+        pol._shadow["r"] = (Draft.chain([7, 8, 9, 10]), 1.0, "suffix-global", n0, None)
+        req.output += truth  # the model drafter's step emitted 2 accepted + 1 bonus, all as cached
+        pol.shadow(req, StepRecord("eagle3", 5, 2, 0.001, 0.01))
+    assert pol.cache_scale["suffix-global"] > 2.0  # 3 matched where 1 was predicted
 
 
 @pytest.mark.parametrize("report", ["all_positions", "response_only", "none"])

@@ -547,6 +547,7 @@ class SuffixDrafter:
 
     name = "suffix"
     needs_taps: tuple[int, ...] = ()   # reads no hidden states
+    adaptive_length = True             # sizes its drafts by its match (the engine's cache budget)
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = c = config or SuffixConfig()

@@ -88,6 +88,7 @@ class Engine:
         max_batch: int = 8,
         max_len: int = 2048,
         num_draft_tokens: int = 8,
+        cache_draft_tokens: int | None = None,
         eos_token_ids: Iterable[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         slim: SlimTier | None = None,
@@ -96,6 +97,11 @@ class Engine:
         self.drafters = list(drafters)
         self.policy = policy
         self.num_draft_tokens = num_draft_tokens
+        # cache drafters (``adaptive_length``) size their own drafts by their match, up to 64 tokens as
+        # in SuffixDecoding; a model drafter's draft costs per token, so it keeps the smaller budget
+        self.cache_draft_tokens = (max(num_draft_tokens, 64) if cache_draft_tokens is None else cache_draft_tokens) \
+            if num_draft_tokens > 0 else 0
+        self.decoding_batch = 1  # requests in the current decode step (policies size drafts by it)
         self.eos = set(eos_token_ids) | set(model.cfg.eos_token_ids)
         self.detokenize = detokenize
         self.slim = slim  # VIA-SD slim-verifier tier (verification/tiered.py); None = two tiers
@@ -206,9 +212,12 @@ class Engine:
             toks.append(int(sample(probs, r.generator)))
         return toks
 
-    def draft_budget(self, r: Request) -> int:
-        """How many draft tokens request ``r`` may verify this step (every draft is cut to this)."""
-        return max(0, min(self.num_draft_tokens, r.params.max_tokens - len(r.output) - 1,
+    def draft_budget(self, r: Request, drafter: Drafter | None = None) -> int:
+        """How many draft tokens request ``r`` may verify this step from ``drafter`` (its drafts are
+        cut to this): ``cache_draft_tokens`` for a drafter with ``adaptive_length``, else
+        ``num_draft_tokens``, within what the request and its KV slot have room for."""
+        cap = self.cache_draft_tokens if getattr(drafter, "adaptive_length", False) else self.num_draft_tokens
+        return max(0, min(cap, r.params.max_tokens - len(r.output) - 1,
                           self.max_len - self.model.cache.lengths[r.slot] - 1))
 
     def _drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[float | None]]:
@@ -221,10 +230,11 @@ class Engine:
         caller drops finished requests before the forward.
         """
         default = self.drafters[0] if self.drafters else None
+        self.decoding_batch = len(reqs)
         for d in self.drafters:  # remote drafters fetch the whole batch's drafts in one call
             if hasattr(d, "prepare"):
                 try:
-                    d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r)) for r in reqs])
+                    d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, d)) for r in reqs])
                 except Exception:  # noqa: BLE001 - a prefetch only; propose asks again per request below
                     logger.exception("drafter %s failed to prepare the batch", getattr(d, "name", d))
         choices = []
@@ -242,14 +252,14 @@ class Engine:
                     choices[i].draft = d
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None and not r.finished:
-                drafts[i] = c.draft.truncated(self.draft_budget(r))
+                drafts[i] = c.draft.truncated(self.draft_budget(r, c.drafter))
         return drafts, [c.predicted for c in choices]
 
     def _propose(self, src: Drafter, reqs: list[Request]) -> list[Draft | None]:
         """``src.propose`` for the batch; if it raises, once per request, failing only the ones that
         raise again (a batched call cannot say whose request broke it)."""
         def ask(r: Request) -> DraftRequest:
-            return DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r))
+            return DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, src))
 
         where = f"drafting ({getattr(src, 'name', 'drafter')})"
         try:

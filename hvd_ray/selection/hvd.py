@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ..drafters import make_drafter
 from ..drafters.suffix import SuffixDrafter
+from ..engine.costs import measure_step_costs
 from .features import VocabFlags
-from .policy import AlwaysCache, AlwaysModel, CostPolicy, Policy, ScoreRule, TauPolicy
+from .policy import VERIFY_COST, AlwaysCache, AlwaysModel, CostPolicy, Policy, ScoreRule, TauPolicy
 from .predictor import WEIGHTS_FILE, YieldPredictor
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -36,9 +37,12 @@ def load_predictor(path: str | Path | None = None) -> YieldPredictor:
 
 def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = None, tau: float = 6.0,
               model_drafter: str = "layerskip", eagle3_head: str | None = None, slots: int = 8,
-              max_len: int = 2048, cache=None, draft_model: str | None = None) -> tuple[list, Policy]:
+              max_len: int = 2048, cache=None, draft_model: str | None = None,
+              measure_costs: bool = True) -> tuple[list, Policy]:
     """(drafters for the Engine, the policy to pass as ``Engine(policy=...)``). ``cache``: the suffix
-    drafter to use (default a fresh in-process one; serving passes its actor proxy)."""
+    drafter to use (default a fresh in-process one; serving passes its actor proxy).
+    ``measure_costs``: the cost policy times the target's forward on this hardware (a few seconds,
+    once per model; engine/costs.py) instead of assuming the static ``VERIFY_COST`` table."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     cache = cache if cache is not None else SuffixDrafter()
@@ -47,6 +51,7 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
     flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)
     if policy in ("tau", "cost"):
         g = load_predictor(predictor)
+        costs = measure_step_costs(model) if measure_costs and policy == "cost" else VERIFY_COST
         if policy == "tau":
             pol: Policy = TauPolicy(g, cache, drafter, flags, tau=tau)
         elif model_drafter == "eagle3":
@@ -58,10 +63,10 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
             meta = json.loads((report / "training.json").read_text()) if (report / "training.json").exists() else {}
             heldout = meta.get("heldout", {})
             accept = heldout.get("all_positions", heldout).get("mean_accepted_tokens_per_forward")
-            pol = CostPolicy(g, cache, drafter, flags, model_token_cost=0.15,
+            pol = CostPolicy(g, cache, drafter, flags, model_token_cost=0.15, cost_table=costs,
                              model_accept=(accept - 1.0) if accept else None)
         else:
-            pol = CostPolicy(g, cache, drafter, flags)
+            pol = CostPolicy(g, cache, drafter, flags, cost_table=costs)
     elif policy == "score":
         pol = ScoreRule(cache, drafter, flags, tau=tau)
     elif policy == "always-cache":

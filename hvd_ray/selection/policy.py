@@ -19,7 +19,6 @@ Choices are ``"cache"`` (verify the suffix draft), ``"model"`` (ask the model dr
 from __future__ import annotations
 
 import abc
-import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..drafters.base import Draft
+from ..engine.costs import StepCosts, interpolate
 from ..engine.engine import Choice
 from .features import VocabFlags, features, history_from_steps, with_history
 
@@ -37,40 +37,73 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CACHE, MODEL, NONE = "cache", "model", "none"
 
-# One target forward scoring k tokens, relative to k = 1 (DESIGN.md: SmolLM2-135M, bf16, 2 threads).
+# One target forward scoring k tokens, relative to k = 1 (DESIGN.md: SmolLM2-135M, bf16, 2 threads,
+# an Intel box with bf16 instructions). Offline simulation's default; online, the cost policy uses
+# the costs the engine measured on its own hardware (engine/costs.py).
 VERIFY_COST = {1: 1.00, 8: 1.20, 16: 1.32, 32: 1.71}
 # One layer-skip draft token, relative to a 1-token target forward (8 attention sub-layers skipped).
 LAYERSKIP_TOKEN_COST = 0.86
+# A cache draft predicted to be taken (nearly) whole at the model drafter's budget is extended to
+# the cache drafter's own length (SuffixDecoding: up to 64 tokens, by match length).
+CONFIDENT = 0.75
+LONG_MATCH = 16  # cache drafts from matches at least this long are calibrated apart (repeats)
 
 
 @dataclass
 class StepView:
-    """What a policy sees at one step. ``model_len`` is the model draft's nominal length
-    (``min(depth, budget)``: it is not drafted yet); ``y_*`` are oracle labels (offline only)."""
+    """What a policy sees at one step. ``cache_len`` is the cache draft cut to the model drafter's
+    budget (the draft φ_t describes), ``cache_long`` the cache drafter's own adaptive draft length
+    (>= ``cache_len``; 0: the same); ``model_len`` is the model draft's nominal length
+    (``min(depth, budget)``: it is not drafted yet); ``batch`` the requests sharing this step's
+    forward; ``y_*`` are oracle labels (offline only). ``take`` is the policy's answer: how many
+    cache draft tokens to verify (None: all of ``cache_long``)."""
 
     phi: np.ndarray
     cache_len: int
     model_len: int
     y_cache: int | None = None
     y_model: int | None = None
+    cache_long: int = 0
+    batch: int = 1
+    take: int | None = None
+    cache_probs: Sequence[float] = ()  # the long cache draft's per-token probabilities (tree counts)
 
 
 def verify_cost(k: int, table: dict[int, float] = VERIFY_COST) -> float:
     """Cost of one target forward over ``k`` tokens: piecewise-linear in ``table``, extrapolated
     with the last segment's slope."""
-    ks = sorted(table)
-    if k <= ks[0]:
-        return table[ks[0]]
-    i = bisect.bisect_left(ks, k)
-    if i < len(ks) and ks[i] == k:
-        return table[k]
-    a, b = (ks[i - 1], ks[i]) if i < len(ks) else (ks[-2], ks[-1])
-    return table[a] + (table[b] - table[a]) * (k - a) / (b - a)
+    return interpolate(table, k)
 
 
 def draft_budget(req: "Request", engine: "Engine") -> int:
     """The engine's draft budget for ``req`` this step (the cap it truncates every draft to)."""
     return engine.draft_budget(req)
+
+
+def matched(draft: Draft, truth: Sequence[int]) -> int:
+    """Tokens of ``draft`` (chain or tree) that greedy verification against ``truth`` accepts:
+    the deepest draft path that equals a prefix of ``truth``."""
+    depth: list[int] = []  # matched depth of each node (0 = not matched)
+    best = 0
+    for tok, par in zip(draft.token_ids, draft.parents):
+        d = 0
+        pd = 0 if par < 0 else depth[par]
+        if (par < 0 or pd > 0) and pd < len(truth) and truth[pd] == tok:
+            d = pd + 1
+        depth.append(d)
+        best = max(best, d)
+    return best
+
+
+def nominal(draft: Draft, n: int) -> Draft:
+    """The first ``n`` tokens of a cache draft, rescored as the cache drafter scores a draft it was
+    asked to stop at ``n`` (score = sum of its tokens' probabilities), so φ_t describes the draft
+    the predictor was trained on."""
+    if len(draft) <= n:
+        return draft
+    cut = draft.truncated(n)
+    cut.score = float(sum(cut.probs)) if cut.probs else cut.score
+    return cut
 
 
 class Policy(abc.ABC):
@@ -95,24 +128,29 @@ class Policy(abc.ABC):
         """(source, predicted accepted length or None) for one step."""
 
     # ------------------------------------------------------------------ online
-    def observe(self, req: "Request", engine: "Engine") -> tuple[StepView, Draft]:
-        """Draft from the cache and build φ_t exactly as trace replay does."""
-        budget = draft_budget(req, engine)
-        draft = self.cache.speculate(req.req_id, budget)
+    def observe(self, req: "Request", engine: "Engine") -> tuple[StepView, Draft, Draft]:
+        """Draft from the cache at its own adaptive length and build φ_t on that draft cut to the
+        model drafter's budget, exactly as trace replay does. Returns (view, nominal, long draft)."""
+        budget = engine.draft_budget(req)
+        long_budget = max(budget, engine.draft_budget(req, self.cache))
+        long = self.cache.speculate(req.req_id, long_budget)
+        draft = nominal(long, budget)
         phi = (features(draft, prompt_len=len(req.prompt), generated=len(req.output),
                         max_tokens=req.params.max_tokens, last_token=req.tokens[-1],
                         history=history_from_steps(req.stats.steps), flags=self.flags)
                if self.needs_phi else np.zeros(0, np.float32))
         model_len = min(self.model_depth, budget) if self.model is not None else 0
-        return StepView(phi, len(draft), model_len), draft
+        view = StepView(phi, len(draft), model_len, cache_long=len(long),
+                        batch=getattr(engine, "decoding_batch", 1), cache_probs=long.probs)
+        return view, draft, long
 
     def __call__(self, req: "Request", engine: "Engine") -> Choice:
-        view, draft = self.observe(req, engine)
-        return self._choice(*self.decide(view), draft)
+        view, _, long = self.observe(req, engine)
+        return self._choice(*self.decide(view), long, view.take)
 
-    def _choice(self, choice: str, predicted: float | None, draft: Draft) -> Choice:
+    def _choice(self, choice: str, predicted: float | None, draft: Draft, take: int | None = None) -> Choice:
         if choice == CACHE:
-            return Choice(self.cache, draft, predicted)
+            return Choice(self.cache, draft if take is None else draft.truncated(take), predicted)
         if choice == MODEL and self.model is not None:
             return Choice(self.model, None, predicted)
         return Choice(None, None, predicted)
@@ -173,10 +211,17 @@ class TauPolicy(Policy):
 class CostPolicy(Policy):
     """Most expected tokens per unit of step time among cache draft, model draft and no draft.
 
-    cache: ``(min(ŷ, len) + 1) / verify_cost(1 + len)`` (suffix drafting is ~free);
-    model: ``(min(m, k) + 1) / (verify_cost(1 + k) + k * model_token_cost)`` with ``k`` the model
-    draft's nominal length and ``m`` its mean accepted length (``model_accept``; default: the
-    predictor artifact's training-set mean of ``y_model``, else 1.0); none: ``1 / verify_cost(1)``.
+    Step time comes from ``costs`` (:class:`~hvd_ray.engine.costs.StepCosts`: the engine's forward
+    timed on this hardware at start-up; a plain table offline), taken per row of a batch of
+    ``view.batch`` requests, so drafts that pay at batch 1 shrink or vanish as the batch grows.
+
+    cache: ``(ŷ_L + 1) / cost(1 + L)`` for the best length ``L`` of the cache draft (suffix drafting
+    is ~free), where ``ŷ_L = min(ŷ·s, L)`` and, when ``ŷ·s`` says the draft is taken (nearly) whole at
+    the model budget (>= ``CONFIDENT``), the same acceptance rate carries on to the cache drafter's
+    own adaptive length (SuffixDecoding's up-to-64-token drafts on long matches);
+    model: ``(min(m, k) + 1) / (cost(1 + k) + drafting)`` with ``k`` the model draft's nominal length
+    and ``m`` its mean accepted length (``model_accept``; default: the predictor artifact's
+    training-set mean of ``y_model``, else 1.0); none: ``1 / cost(1)``.
 
     Online the model side calibrates itself from the engine's step records (``adapt`` = weight of
     each new measurement in an exponential average; 0 keeps the priors, as offline simulation does):
@@ -187,20 +232,31 @@ class CostPolicy(Policy):
 
     The model's acceptance and draft length are judged per request: each request starts from the
     prior (worth ``prior_steps`` model steps; the nominal length for drafts) and moves to its own
-    means as its model steps come in. A global average would let one workload (long function-calling
-    prompts the head drafts poorly, or one chat draft cut to nothing by the head's confidence floor)
-    price the model out for the next (code, where it pays), and a priced-out drafter is never
-    re-measured.
-    The cache side is calibrated per tree (request / global): measured accepted over predicted.
+    means as its model steps come in. A global average would let one workload price the model out
+    for the next, and a priced-out drafter is never re-measured.
+
+    The cache side has two estimates, each calibrated online per tree (request / global) and match
+    length (``LONG_MATCH``: a long match is usually a repeat): the predictor's ``ŷ`` times ``s``
+    (measured accepted over predicted), and the draft's own tree probabilities (their sum over the
+    first ``L`` tokens) times ``r`` (measured accepted over that sum). Per bucket the policy uses
+    the one with the smaller recent squared error: the predictor where it was trained (cold
+    histories), the tree where it was not (a warm history repeating an answer, where ŷ stays low or
+    even negative while whole drafts are accepted). Both are measured on *every* step, not only on
+    steps that verified a cache draft: the cache draft made to decide is compared with the tokens
+    the step emitted (exact for greedy decoding; a lower bound when it matched them all), so a tree
+    that fell out of favour after one bad draft is re-measured at once instead of never again.
     """
 
     name = "cost"
 
     def __init__(self, predictor: "YieldPredictor", cache=None, model=None, flags=None, *,
-                 cost_table: dict[int, float] = VERIFY_COST, model_token_cost: float = LAYERSKIP_TOKEN_COST,
+                 cost_table: "dict[int, float] | StepCosts" = VERIFY_COST,
+                 model_token_cost: float = LAYERSKIP_TOKEN_COST,
                  model_accept: float | None = None, adapt: float = 0.05, prior_steps: float = 2.0):
         super().__init__(cache, model, flags)
-        self.predictor, self.table, self.model_token_cost = predictor, dict(cost_table), model_token_cost
+        self.costs = cost_table if isinstance(cost_table, StepCosts) else StepCosts(dict(cost_table))
+        self.table = self.costs.table
+        self.predictor, self.model_token_cost = predictor, model_token_cost
         if model_accept is None:
             model_accept = float(getattr(predictor, "meta", {}).get("model_mean_accept", 1.0))
         if not 0.0 <= adapt <= 1.0:
@@ -208,27 +264,71 @@ class CostPolicy(Policy):
         self.model_accept, self.adapt = model_accept, adapt
         self.prior_accept, self.prior_steps = model_accept, prior_steps
         self._per_req: OrderedDict[str, list[float]] = OrderedDict()  # req -> [model steps, accepted, drafted]
-        # cache side: measured accepted / predicted on verified cache drafts, per tree (request /
-        # global), so a predictor that is biased on this workload is corrected online
-        self.cache_scale: dict[str, float] = {}
+        # cache side: measured accepted / predicted, per tree and match length (``cache_key``)
+        self.cache_scale: dict[str, float] = {}  # s: predictor scale
+        self.tree_scale: dict[str, float] = {}  # r: tree-probability scale
         self._cache_sums: dict[str, list[float]] = {}
+        self._tree_sums: dict[str, list[float]] = {}
+        self._errors: dict[str, list[float]] = {}  # EMA squared error of [predictor, tree]
+        # the cache draft each live request's last decision saw: (draft, ŷ, key, output length, take)
+        self._shadow: OrderedDict[str, tuple] = OrderedDict()
         self.model_len_seen: float | None = None  # measured mean model-draft length
         self.model_draft_cost: float | None = None  # measured drafting time per model draft, in forwards
         self.forward_s: float | None = None  # measured time of a one-token target forward
+        self._batch = 1
+
+    @staticmethod
+    def cache_key(source: str | None, match_len: int = 0, generated: int | None = None) -> str | None:
+        """The calibration bucket of a cache draft: its tree, and whether its match is long or
+        covers the whole output so far (at least 4 tokens of it): the request is repeating an answer
+        (a retry, an agent re-sending context) and the draft is usually taken whole."""
+        if source is None:
+            return None
+        repeat = generated is not None and 4 <= generated <= match_len
+        return f"{source}/long" if match_len >= LONG_MATCH or repeat else source
+
+    def uses_tree(self, key: str | None) -> bool:
+        """Whether the tree-probability estimate has been the better one for this bucket lately."""
+        err = self._errors.get(key)
+        return err is not None and key in self.tree_scale and err[1] < err[0]
+
+    def tree_yield(self, view: StepView, take: int, key: str | None) -> float:
+        return min(float(take), self.tree_scale.get(key, 1.0) * float(sum(view.cache_probs[:take])))
+
+    def cache_yield(self, y: float, view: StepView, take: int, key: str | None = None) -> float:
+        """Expected accepted tokens of the first ``take`` tokens of the cache draft, from ``y`` (the
+        calibrated estimate for the draft cut to ``view.cache_len``) or, where it has been the
+        better estimate, from the draft's calibrated tree probabilities."""
+        if view.cache_probs and self.uses_tree(key):
+            return self.tree_yield(view, take, key)
+        L0 = view.cache_len
+        base = min(y, L0, take)
+        if take <= L0 or L0 == 0:
+            return base
+        rate = min(y, L0) / L0
+        return base + (take - L0) * rate if rate >= CONFIDENT else base
 
     def rates(self, view: StepView, y: float, tree: str | None = None,
               model_accept: float | None = None, model_len: float | None = None) -> dict[str, float]:
-        r = {NONE: 1.0 / verify_cost(1, self.table)}
+        c = lambda width: self.costs.per_row(width, view.batch)  # noqa: E731
+        r = {NONE: 1.0 / c(1)}
         if view.cache_len > 0:
             y = max(y, 0.0) * self.cache_scale.get(tree, 1.0)
-            r[CACHE] = (min(y, view.cache_len) + 1) / verify_cost(1 + view.cache_len, self.table)
+            longest = max(view.cache_long, view.cache_len)
+            best = None
+            for take in sorted({view.cache_len, longest} | {n for n in (16, 32) if view.cache_len < n < longest}):
+                rate = (self.cache_yield(y, view, take, tree) + 1) / c(1 + take)
+                if best is None or rate > best[0]:
+                    best = (rate, take)
+            r[CACHE] = best[0]
+            view.take = best[1]
         k = view.model_len
         if k > 0:
             seen = model_len if model_len is not None else self.model_len_seen
             kk = min(seen, k) if seen is not None else k
             draft = self.model_draft_cost if self.model_draft_cost is not None else k * self.model_token_cost
             m = self.model_accept if model_accept is None else model_accept
-            r[MODEL] = (min(m, kk) + 1) / (verify_cost(1 + kk, self.table) + draft)
+            r[MODEL] = (min(m, kk) + 1) / (c(1 + kk) + draft)
         return r
 
     def learn(self, rec) -> None:
@@ -238,13 +338,7 @@ class CostPolicy(Policy):
             return
         ema = lambda old, x: x if old is None else (1 - a) * old + a * x  # noqa: E731
         if rec.verify_s > 0:
-            self.forward_s = ema(self.forward_s, rec.verify_s / verify_cost(1 + rec.drafted, self.table))
-        if rec.source.startswith("suffix") and rec.predicted is not None and rec.drafted > 0:
-            sums = self._cache_sums.setdefault(rec.source, [0.0, 0.0])  # EMAs of accepted, predicted
-            sums[0] = (1 - a) * sums[0] + a * rec.accepted
-            sums[1] = (1 - a) * sums[1] + a * min(max(rec.predicted, 0.0), rec.drafted)
-            if sums[1] > 0.05:
-                self.cache_scale[rec.source] = min(4.0, max(0.25, sums[0] / sums[1]))
+            self.forward_s = ema(self.forward_s, rec.verify_s / self.costs.per_row(1 + rec.drafted, self._batch))
         if self.model is not None and rec.source == getattr(self.model, "name", None):
             self.model_accept = ema(self.model_accept, float(rec.accepted))
             self.model_len_seen = ema(self.model_len_seen, float(rec.drafted))
@@ -257,6 +351,48 @@ class CostPolicy(Policy):
                 if cur is None:
                     cur = max(1.0, self.model_len_seen) * self.model_token_cost
                 self.model_draft_cost = ema(cur, min(rec.draft_s / self.forward_s, 3.0 * cur))
+
+    def learn_cache(self, key: str, accepted: float, predicted: float, tree_mass: float | None = None) -> None:
+        """Fold one cache-draft outcome into its bucket: ``accepted`` tokens where the (uncalibrated)
+        prediction for the same window was ``predicted`` and the draft's tree probabilities there
+        summed to ``tree_mass``. Each estimate is scored (squared error) before it learns."""
+        a = self.adapt
+        if a == 0.0 or key is None:
+            return
+        if tree_mass is not None:
+            err = self._errors.setdefault(key, [0.0, 0.0])
+            by_pred = min(predicted * self.cache_scale.get(key, 1.0), max(predicted, tree_mass, accepted))
+            by_tree = tree_mass * self.tree_scale.get(key, 1.0)
+            err[0] = (1 - a) * err[0] + a * (accepted - by_pred) ** 2
+            err[1] = (1 - a) * err[1] + a * (accepted - by_tree) ** 2
+            tsums = self._tree_sums.setdefault(key, [0.0, 0.0])
+            tsums[0] = (1 - a) * tsums[0] + a * accepted
+            tsums[1] = (1 - a) * tsums[1] + a * tree_mass
+            if tsums[1] > 0.05:
+                self.tree_scale[key] = min(1.0, max(0.01, tsums[0] / tsums[1]))
+        sums = self._cache_sums.setdefault(key, [0.0, 0.0])  # EMAs of accepted, predicted
+        sums[0] = (1 - a) * sums[0] + a * accepted
+        sums[1] = (1 - a) * sums[1] + a * predicted
+        if sums[1] > 0.05:
+            self.cache_scale[key] = min(16.0, max(0.1, sums[0] / sums[1]))
+
+    def shadow(self, req: "Request", rec) -> None:
+        """Score the cache draft the last decision saw against what the step emitted (see the class
+        docstring): the verified tokens on a cache step, a shadow label on any other."""
+        seen = self._shadow.pop(req.req_id, None)
+        if seen is None or rec is None:
+            return
+        draft, y, key, n0, take = seen
+        emitted = req.output[n0:]
+        if rec.source.startswith("suffix"):
+            got, window = rec.accepted, rec.drafted
+            if got == window and len(draft) > window and len(emitted) > window:  # the bonus token too
+                got += int(draft.token_ids[window] == emitted[window])
+                window += 1
+        else:
+            got, window = matched(draft, emitted), min(len(draft), len(emitted))
+        if window > 0:
+            self.learn_cache(key, float(got), min(max(y, 0.0), float(window)), float(sum(draft.probs[:window])))
 
     def decide(self, view, tree: str | None = None, model_accept: float | None = None,
                model_len: float | None = None):
@@ -285,11 +421,19 @@ class CostPolicy(Policy):
 
     def __call__(self, req, engine):
         rec = req.stats.steps[-1] if req.stats.steps else None  # each record is seen once
+        self._batch = getattr(engine, "decoding_batch", 1)
         if rec is not None:
             self.learn(rec)
-        view, draft = self.observe(req, engine)
+        self.shadow(req, rec)
+        view, draft, long = self.observe(req, engine)
         m, m_len = self.request_model(req.req_id, view.model_len, rec)
-        return self._choice(*self.decide(view, draft.source, m, m_len), draft)
+        key = self.cache_key(draft.source, draft.match_len, len(req.output))
+        choice, y = self.decide(view, key, m, m_len)
+        if len(long):
+            self._shadow[req.req_id] = (long, y, key, len(req.output), view.take)
+            while len(self._shadow) > 4096:  # finished requests age out
+                self._shadow.popitem(last=False)
+        return self._choice(choice, y, long, view.take)
 
 
 class OraclePolicy(Policy):
@@ -437,5 +581,5 @@ def _scatter(n: int, t: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 __all__ = ["AlwaysCache", "AlwaysModel", "CACHE", "CostPolicy", "LAYERSKIP_TOKEN_COST", "MODEL",
            "NONE", "OraclePolicy", "Policy", "ScoreRule", "SimResult", "StepView", "TauPolicy",
-           "TraceLabels", "VERIFY_COST", "draft_budget", "simulate", "simulate_trace",
+           "TraceLabels", "VERIFY_COST", "draft_budget", "matched", "nominal", "simulate", "simulate_trace",
            "trace_labels_from_table", "verify_cost"]

@@ -136,6 +136,7 @@ class RemoteSuffixDrafter:
 
     name = "suffix"
     needs_taps: tuple[int, ...] = ()
+    adaptive_length = True  # drafts sized by match length, as the in-process SuffixDrafter
 
     def __init__(self, actor, *, timeout_s: float = 2.0, retry_s: float = 0.5,
                  start_timeout_s: float = 120.0) -> None:

@@ -1,0 +1,54 @@
+"""The suffix-history regimes HVD is measured in (a policy tuned in one can be wrong in another).
+
+* ``cold``: every method's global tree starts empty (it fills with the run's own outputs);
+* ``warm-repeat``: the same prompts again on the same engines (retries, agent loops re-sending a
+  request), so the global tree holds each prompt's answer;
+* ``agent``: a second turn on the same engines: the conversation so far (the prompt and the first
+  answer) plus a follow-up that asks for a revision, as an agent loop re-sends earlier outputs;
+* ``warm-history``: fresh engines whose global trees hold outputs of *other* requests of the same
+  workloads (train-split traces, or train-split prompts decoded here): the realistic serving case.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..workloads import Prompt, load_workload, render
+
+REGIMES = ("cold", "warm-repeat", "agent", "warm-history")
+
+# the follow-up user turn of the agent regime, per workload: each asks for the answer again, revised
+FOLLOW_UPS = {
+    "function_calling": "The call returned an error: the service timed out. Make the same call again.",
+    "code": "Add a docstring and type hints, then give the whole function again.",
+    "code_edit": "Also add a short comment above each changed line, and show the whole code again.",
+    "chat": "Please give your answer again, improved and a little shorter.",
+}
+DEFAULT_FOLLOW_UP = "Please answer again, improved."
+
+
+def agent_turn(prompt: Prompt, answer: str, tokenizer) -> list[int]:
+    """Token ids of the second turn: ``prompt``'s messages, ``answer`` as the assistant, a follow-up."""
+    follow = FOLLOW_UPS.get(prompt.workload, DEFAULT_FOLLOW_UP)
+    turn = Prompt(f"{prompt.id}/agent", prompt.workload,
+                  [*prompt.messages, {"role": "assistant", "content": answer}, {"role": "user", "content": follow}])
+    return tokenizer(render(turn, tokenizer), add_special_tokens=False)["input_ids"]
+
+
+def history_prompts(tokenizer, workloads: Sequence[str], per_workload: int, max_prompt_tokens: int
+                    ) -> list[list[int]]:
+    """Train-split prompts of ``workloads`` (never the measured test split), as token ids."""
+    out = []
+    for w in workloads:
+        taken = 0
+        for p in load_workload(w, split="train"):
+            ids = tokenizer(render(p, tokenizer), add_special_tokens=False)["input_ids"]
+            if len(ids) <= max_prompt_tokens:
+                out.append(ids)
+                taken += 1
+            if taken == per_workload:
+                break
+    return out
+
+
+__all__ = ["DEFAULT_FOLLOW_UP", "FOLLOW_UPS", "REGIMES", "agent_turn", "history_prompts"]

@@ -1,0 +1,104 @@
+"""What a target forward costs on this machine, measured once at start-up.
+
+The cost policy trades a draft's expected yield against the time of verifying it, and that time is
+a property of the hardware, not of the model: on a GPU (and on a CPU with bf16 instructions) a
+forward over 8 tokens costs little more than one over 1 token; on an AVX2-only CPU in bf16 it costs
+3.7x, and in fp32 1.8x (a lone token takes a cheaper matrix-vector path). A static table is right on
+one machine and wrong on the next, so the engine times its own forwards.
+
+``StepCosts(n)`` is the time of one forward over ``n`` new tokens in total (all rows of the batch
+together) relative to a 1-token forward, piecewise-linear between the measured widths and
+extrapolated with the last segment's slope.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def interpolate(table: dict[int, float], k: float) -> float:
+    """``table`` (width -> relative cost) at ``k``: piecewise-linear, the last slope beyond it."""
+    ks = sorted(table)
+    if k <= ks[0]:
+        return table[ks[0]]
+    i = bisect.bisect_left(ks, k)
+    if i < len(ks) and ks[i] == k:
+        return table[ks[i]]
+    a, b = (ks[i - 1], ks[i]) if i < len(ks) else (ks[-2], ks[-1])
+    return table[a] + (table[b] - table[a]) * (k - a) / (b - a)
+
+
+@dataclass
+class StepCosts:
+    """Relative forward cost by total new tokens (``table``) and the 1-token forward in seconds."""
+
+    table: dict[int, float]
+    forward_s: float = 0.0
+    measured: bool = False
+    raw_s: dict[int, float] = field(default_factory=dict)
+
+    def __call__(self, tokens: float) -> float:
+        return interpolate(self.table, tokens)
+
+    def per_row(self, width: int, batch: int = 1) -> float:
+        """One row's share of a forward where ``batch`` rows each score ``width`` tokens, relative
+        to a lone 1-token forward: what drafting ``width - 1`` tokens costs a request at this load
+        (rows of a batch pay together, so long drafts stop paying as the batch grows)."""
+        batch = max(1, batch)
+        return self(batch * width) / batch
+
+
+def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 3) -> StepCosts:
+    """Time one forward over ``k`` new tokens after a ``prefix``-token context, for each ``k`` in
+    ``widths`` (median of ``reps``), in a scratch KV cache so the model's own cache is untouched.
+    Cached on the model: engines that share a model share its costs."""
+    key = (str(model.device), str(model.dtype), torch.get_num_threads(), tuple(widths), prefix)
+    cached = getattr(model, "_step_costs", {})
+    if key in cached:
+        return cached[key]
+    saved = model.cache
+    room = model.cfg.max_position
+    widths = [k for k in widths if prefix + k <= room] or [1]
+    prefix = min(prefix, room - max(widths))
+    vocab = model.cfg.vocab_size
+    try:
+        model.setup_cache(1, prefix + max(widths))
+        ctx = (torch.arange(prefix, device=model.device) * 7 % vocab).unsqueeze(0)
+        new = (torch.arange(max(widths), device=model.device) * 13 % vocab).unsqueeze(0)
+        with torch.inference_mode():
+            model(ctx, [0], last_only=True)
+            raw = {}
+            for k in widths:
+                ts = []
+                for _ in range(reps + 1):  # the first run of a shape warms it up
+                    model.cache.truncate(0, prefix)
+                    if model.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model(new[:, :k], [0])
+                    if model.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    ts.append(time.perf_counter() - t0)
+                ts = sorted(ts[1:])
+                raw[k] = ts[len(ts) // 2]
+    finally:
+        model.cache = saved
+    one = raw[min(widths)]
+    # costs never fall with width (timing noise can make them): a running maximum
+    table, top = {}, 0.0
+    for k in sorted(raw):
+        top = max(top, raw[k] / one)
+        table[k] = top
+    costs = StepCosts(table, one, True, raw)
+    cached[key] = costs
+    model._step_costs = cached
+    return costs
+
+
+__all__ = ["StepCosts", "WIDTHS", "interpolate", "measure_step_costs"]
