@@ -27,7 +27,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--drafter", default="none", help="none | hvd | suffix | eagle3 | layerskip | draft-model")
-    g.add_argument("--num-draft-tokens", type=int, default=16)
+    g.add_argument("--num-draft-tokens", type=int, default=16, help="draft budget of model drafters per step")
+    g.add_argument("--cache-draft-tokens", type=int, default=64,
+                   help="draft budget of the suffix cache per step (its drafts follow its match)")
     g.add_argument("--suffix-history", default=None, metavar="TRACES",
                    help="start the suffix drafter's global tree with the train-split outputs of this "
                         "collect_traces folder (past outputs of the same model)")
@@ -104,7 +106,8 @@ def generate(args: argparse.Namespace) -> int:
             return 2
     else:
         engine = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=max_len,
-                        num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
+                        num_draft_tokens=args.num_draft_tokens, cache_draft_tokens=args.cache_draft_tokens,
+                        eos_token_ids=[tok.eos_token_id],
                         detokenize=lambda t: tok.decode(t, skip_special_tokens=True), slim=slim)
     try:
         req = engine.add_request(ids, params)

@@ -329,6 +329,32 @@ def dominance_table(by_regime: dict, workloads, methods) -> list[str]:
     return lines
 
 
+def audited(run: Runner, policy, labels: list) -> Runner:
+    """``run`` for an hvd-cost engine whose policy records its cache-side decisions: each is
+    labelled with what greedy verification would accept of that step's cache draft (cut to the
+    length the predictor describes), from greedy's output for the prompt (``ref``)."""
+    from hvd_ray.selection.policy import matched
+
+    def r(ids, params, ref):
+        policy.audit = []
+        out, stats = run(ids, params, ref)
+        if ref is not None and out == ref:  # (lossless runs only: positions line up with greedy's)
+            for _, pos, y, est, n, draft in policy.audit:
+                labels.append((y, est, matched(draft.truncated(n), ref[pos:])))
+        policy.audit = None
+        return out, stats
+    return r
+
+
+def precision_recall(labels: list, which: int, at: float = 6.0) -> tuple[int, float, float]:
+    """(positives, precision, recall) of ``estimate >= at`` for ``label >= at`` (``which``: 0 = ŷ,
+    1 = the calibrated estimate)."""
+    pos = sum(lab >= at for *_, lab in labels)
+    said = [lab for *e, lab in labels if e[which] >= at]
+    hit = sum(lab >= at for lab in said)
+    return pos, hit / len(said) if said else float("nan"), hit / pos if pos else float("nan")
+
+
 def bench_spec(args) -> str:
     """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s,
     in each suffix-history regime asked for (``hvd_ray.bench.regimes``)."""
@@ -345,6 +371,8 @@ def bench_spec(args) -> str:
     agent_room = args.max_tokens + 96 if "agent" in regimes else 0  # the first answer + the follow-up
     max_len = args.max_prompt_tokens + agent_room + args.max_tokens + 64
     names = ["greedy", *args.drafters]
+
+    audit: dict = {}  # (regime, workload) -> [(ŷ, calibrated estimate, label)] of hvd-cost's decisions
 
     def fresh(history=()) -> dict[str, Runner]:
         runners = {}
@@ -365,7 +393,16 @@ def bench_spec(args) -> str:
             eng = Engine(model, drafters=ds, policy=pol, max_batch=1, max_len=max_len,
                          num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id])
             runners[name] = engine_runner(eng)
+            if name == "hvd-cost":
+                runners[name] = audited(runners[name], pol, labels)
         return runners
+
+    labels: list = []
+
+    def audit_into(regime: str, runs: "Runs") -> None:  # the labels so far belong to this pass
+        per = audit.setdefault(regime, [])
+        per += labels
+        labels.clear()
 
     warm = past_outputs(args.warm_traces) if args.warm_traces else []
     params = SamplingParams(max_tokens=args.max_tokens)
@@ -377,12 +414,14 @@ def bench_spec(args) -> str:
         runners = fresh(warm if "cold" not in regimes else ())
         runners["greedy"](prompts[0][2], params, None)  # warm-up
         base = run_interleaved(runners, prompts, params, "cold ")
+        audit_into("cold", base)
         if "cold" in regimes:
             by_regime["cold"] = base.rows
         for m, v in base.identical.items():
             identical.setdefault(m, []).extend(v)
         if "warm-repeat" in regimes:
             runs = run_interleaved(runners, prompts, params, "warm-repeat ")
+            audit_into("warm-repeat", runs)
             by_regime["warm-repeat"] = runs.rows
             for m, v in runs.identical.items():
                 identical.setdefault(m, []).extend(v)
@@ -394,6 +433,7 @@ def bench_spec(args) -> str:
                                                                            skip_special_tokens=True), tok))
                      for w, pid, _ in prompts if pid in objs]
             runs = run_interleaved(runners, turns, params, "agent ")
+            audit_into("agent", runs)
             by_regime["agent"] = runs.rows
             for m, v in runs.identical.items():
                 identical.setdefault(m, []).extend(v)
@@ -413,6 +453,7 @@ def bench_spec(args) -> str:
                          f"(the train-split traces in `{args.warm_traces}`).")
         runners = fresh(history)
         runs = run_interleaved(runners, prompts, params, "warm-history ")
+        audit_into("warm-history", runs)
         by_regime["warm-history"] = runs.rows
         for m, v in runs.identical.items():
             identical.setdefault(m, []).extend(v)
@@ -451,6 +492,21 @@ def bench_spec(args) -> str:
         if dom:
             lines += ["## HVD against its own drafters (P2's bars: hvd-cost / best >= 0.97, "
                       "hvd-cost fwd/1k within 10 % of the live oracle's)", "", *dom, ""]
+    if any(audit.values()):
+        lines += ["## The cache side's estimates where decoding asks them (hvd-cost, every step start)", "",
+                  "Label = tokens of that step's cache draft (cut to the model budget, the draft φ_t describes) "
+                  "that greedy verification accepts, from greedy's output for the prompt. ŷ = the shipped "
+                  "predictor; calibrated = the estimate the policy used (ŷ or tree probabilities, each scaled "
+                  "online, whichever erred less lately). Precision / recall of `estimate >= 6` for `label >= 6`.", "",
+                  "| regime | step starts | label >= 6 | ŷ precision | ŷ recall | calibrated precision | calibrated recall |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for regime, labs in audit.items():
+            if regime not in by_regime or not labs:
+                continue
+            pos, p0, r0 = precision_recall(labs, 0)
+            _, p1, r1 = precision_recall(labs, 1)
+            lines.append(f"| {regime} | {len(labs)} | {pos} | {p0:.2f} | {r0:.2f} | {p1:.2f} | {r1:.2f} |")
+        lines.append("")
     for regime, rows in by_regime.items():
         if regimes != ["cold"]:
             lines += [f"## {regime}", ""]

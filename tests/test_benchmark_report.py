@@ -109,3 +109,26 @@ def test_spec_on_a_user_prompt_file(tmp_path):
     for mode in ("http", "report"):
         res = _bench(mode, "--prompt-file", str(mine), timeout=60)
         assert res.returncode == 2 and "spec-mode option" in res.stderr, mode
+
+
+def test_spec_regimes_and_the_dominance_table(tmp_path):
+    """``spec --regimes``: every regime gets its table, the live oracle runs as a method, the P2
+    table compares hvd-cost with its own drafters in each regime, and outputs stay greedy's (fp32).
+    The repeat is drafted from the cache: fewer forwards than the cold pass of the same prompt."""
+    out = tmp_path / "regimes.md"
+    res = _bench("spec", "--workloads", "code", "--prompts", "1", "--max-tokens", "12", "--drafters", "suffix",
+                 "hvd-cost", "oracle", "--regimes", "cold", "warm-repeat", "agent", "warm-history",
+                 "--history-prompts", "1", "--dtype", "float32", "--threads", "1", "--out", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    md = out.read_text()
+    for regime in ("cold", "warm-repeat", "agent", "warm-history"):
+        assert f"## {regime}" in md and f"| {regime} | code |" in md, regime
+    assert "1 outputs of train-split prompts" in md
+    sections = md.split("## ")
+    rows = {s.split("\n")[0]: {ln.split("|")[2].strip(): ln.split("|") for ln in s.splitlines()
+                               if ln.startswith("| code |")} for s in sections}
+    assert set(rows["cold"]) == {"greedy", "suffix", "hvd-cost", "oracle"}
+    fwd = lambda regime: int(rows[regime]["suffix"][4])  # noqa: E731
+    assert fwd("warm-repeat") < fwd("cold")
+    same = md.split("Outputs identical to greedy (fp32): ")[1].split("\n")[0]
+    assert same == "suffix 4/4, hvd-cost 4/4, oracle 4/4", same

@@ -276,6 +276,9 @@ class CostPolicy(Policy):
         self.model_draft_cost: float | None = None  # measured drafting time per model draft, in forwards
         self.forward_s: float | None = None  # measured time of a one-token target forward
         self._batch = 1
+        # a benchmark sets a list here to audit the cache side: one (request id, output position,
+        # ŷ, calibrated estimate, nominal length, long draft) per decision with a cache draft
+        self.audit: list | None = None
 
     @staticmethod
     def cache_key(source: str | None, match_len: int = 0, generated: int | None = None) -> str | None:
@@ -288,8 +291,13 @@ class CostPolicy(Policy):
         return f"{source}/long" if match_len >= LONG_MATCH or repeat else source
 
     def uses_tree(self, key: str | None) -> bool:
-        """Whether the tree-probability estimate has been the better one for this bucket lately."""
+        """Whether the tree-probability estimate is the one to use for this bucket: where it has
+        erred less lately; in a long-match bucket (out of the predictor's training range, where
+        ŷ swings from below 0 to 7 over drafts that are all taken whole) unless the predictor has
+        erred less than half as much."""
         err = self._errors.get(key)
+        if key is not None and key.endswith("/long"):
+            return err is None or not err[0] < 0.5 * err[1]
         return err is not None and key in self.tree_scale and err[1] < err[0]
 
     def tree_yield(self, view: StepView, take: int, key: str | None) -> float:
@@ -369,7 +377,8 @@ class CostPolicy(Policy):
             tsums[0] = (1 - a) * tsums[0] + a * accepted
             tsums[1] = (1 - a) * tsums[1] + a * tree_mass
             if tsums[1] > 0.05:
-                self.tree_scale[key] = min(1.0, max(0.01, tsums[0] / tsums[1]))
+                # (> 1 is real: a live request counts in its own global-tree base, halving its probabilities)
+                self.tree_scale[key] = min(4.0, max(0.01, tsums[0] / tsums[1]))
         sums = self._cache_sums.setdefault(key, [0.0, 0.0])  # EMAs of accepted, predicted
         sums[0] = (1 - a) * sums[0] + a * accepted
         sums[1] = (1 - a) * sums[1] + a * predicted
@@ -429,6 +438,9 @@ class CostPolicy(Policy):
         m, m_len = self.request_model(req.req_id, view.model_len, rec)
         key = self.cache_key(draft.source, draft.match_len, len(req.output))
         choice, y = self.decide(view, key, m, m_len)
+        if len(long) and self.audit is not None:
+            est = self.cache_yield(max(y, 0.0) * self.cache_scale.get(key, 1.0), view, view.cache_len, key)
+            self.audit.append((req.req_id, len(req.output), y, est, view.cache_len, long))
         if len(long):
             self._shadow[req.req_id] = (long, y, key, len(req.output), view.take)
             while len(self._shadow) > 4096:  # finished requests age out

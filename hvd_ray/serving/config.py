@@ -26,7 +26,9 @@ class ServingConfig(BaseModel):
     device: str = "cpu"
     drafter: str = Field("hvd", description="hvd (suffix cache + model drafter, picked per step by `policy`) | "
                          "suffix | eagle3 | layerskip | draft-model | none")
-    num_draft_tokens: int = Field(8, ge=0, le=64)
+    num_draft_tokens: int = Field(8, ge=0, le=64, description="draft budget of model drafters per step")
+    cache_draft_tokens: int = Field(64, ge=0, le=256, description="draft budget of the suffix cache per step "
+                                    "(its drafts follow its match, as in SuffixDecoding)")
     draft_model: str | None = None
     eagle3_head: str | None = None
     layerskip: str | None = Field(None, description="skip spec for --drafter layerskip (default: the drafter's)")

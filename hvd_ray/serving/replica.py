@@ -263,7 +263,7 @@ class ModelReplica:
             eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
             self.engine = Engine(self.model, drafters=drafters, policy=policy, slim=slim, max_batch=cfg.max_batch,
                                  max_len=max_len, num_draft_tokens=cfg.num_draft_tokens if drafters else 0,
-                                 eos_token_ids=eos,
+                                 cache_draft_tokens=cfg.cache_draft_tokens, eos_token_ids=eos,
                                  detokenize=lambda t: self.tok.decode(t, skip_special_tokens=True))
         try:
             self.metrics: _Metrics | None = _Metrics()

@@ -1,0 +1,57 @@
+"""The engine's forward costs, measured on the machine it runs on (engine/costs.py), and the
+engine's separate budget for the suffix cache's drafts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_ray.engine.costs import StepCosts, interpolate, measure_step_costs
+from hvd_ray.model.transformer import Transformer
+
+
+def test_measured_costs_are_relative_monotone_cached_and_leave_the_cache_alone(tiny_llama):
+    model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
+    cache = model.setup_cache(2, 64)
+    cache.lengths[1] = 7
+    costs = measure_step_costs(model, widths=(1, 2, 4, 8), prefix=16, reps=2)
+    assert costs.measured and costs.table[1] == 1.0 and costs.forward_s > 0
+    assert list(costs.table) == [1, 2, 4, 8]
+    assert all(costs.table[a] <= costs.table[b] for a, b in zip([1, 2, 4], [2, 4, 8]))  # never falls
+    assert costs.raw_s[8] > 0 and set(costs.raw_s) == {1, 2, 4, 8}
+    assert model.cache is cache and cache.lengths == [0, 7]  # measured in a scratch cache
+    assert measure_step_costs(model, widths=(1, 2, 4, 8), prefix=16, reps=2) is costs  # once per model
+    # widths beyond the model's context are dropped, not an error
+    short = measure_step_costs(model, widths=(1, 2, model.cfg.max_position + 1), prefix=16, reps=1)
+    assert list(short.table) == [1, 2]
+
+
+def test_costs_interpolate_and_share_a_forward_across_a_batch():
+    costs = StepCosts({1: 1.0, 8: 2.0, 16: 3.0})
+    assert costs(4) == pytest.approx(1 + 3 / 7) and costs(32) == pytest.approx(5.0)  # last slope beyond
+    assert interpolate({1: 1.0, 8: 2.0}, 0) == 1.0
+    assert costs.per_row(1, 1) == 1.0
+    assert costs.per_row(1, 8) == pytest.approx(2.0 / 8)  # eight 1-token rows share one forward
+    assert costs.per_row(2, 8) == pytest.approx(3.0 / 8)  # a 1-token draft each doubles the width
+
+
+def test_the_suffix_cache_drafts_past_the_model_budget_losslessly(default_folder):
+    """num_draft_tokens caps model drafts; the suffix cache drafts by its match up to
+    cache_draft_tokens (as SuffixDecoding), and the output is still plain greedy's (fp32)."""
+    from transformers import AutoTokenizer
+
+    from hvd_ray.drafters.suffix import SuffixDrafter
+    from hvd_ray.engine import Engine, SamplingParams
+
+    model = Transformer.from_pretrained(default_folder, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(default_folder)
+    text = "def add(a, b):\n    return a + b\n\n" * 3
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_tokens=40)
+    plain = Engine(model, max_batch=1, max_len=256, num_draft_tokens=0).generate([ids], params)[0].output
+    eng = Engine(model, drafters=[SuffixDrafter()], max_batch=1, max_len=256, num_draft_tokens=4)
+    assert eng.cache_draft_tokens == 64
+    req = eng.generate([ids], params)[0]
+    assert req.output == plain
+    assert max(s.drafted for s in req.stats.steps) > 4  # the repeated text drafts long
+    assert Engine(model, max_batch=1, max_len=256, num_draft_tokens=0).cache_draft_tokens == 0
