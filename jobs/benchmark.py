@@ -713,6 +713,7 @@ def main() -> None:
     args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
     args.reps = args.reps or (2 if args.quick else 3)
     if args.mode == "http":
+        args.http_out = args.out
         bench_http_servers(args)
         return
     report = {"engine": bench_engine, "spec": bench_spec}[args.mode](args)
