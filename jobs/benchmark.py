@@ -653,6 +653,9 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                     for c in args.concurrency]
             summary = ("# HTTP benchmark summary (servers run one after another in one job)\n\n"
                        f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`\n\n"
+                       "Every concurrency level sends the same prompts, so from the second level on a server "
+                       "with a suffix cache has their answers in its global tree (the warm-repeat regime of "
+                       "`benchmarks/regimes.md`); only the first level is a cold pass.\n\n"
                        + "\n".join([head, "| --- |" + " --- |" * (2 * len(args.servers) - 1), *rows]) + "\n\n")
         dest.write_text(summary + "\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
         print(f"wrote {dest}", file=sys.stderr)
