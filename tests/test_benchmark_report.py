@@ -116,7 +116,7 @@ def test_spec_regimes_and_the_dominance_table(tmp_path):
     table compares hvd-cost with its own drafters in each regime, and outputs stay greedy's (fp32).
     The repeat is drafted from the cache: fewer forwards than the cold pass of the same prompt."""
     out = tmp_path / "regimes.md"
-    res = _bench("spec", "--workloads", "code", "--prompts", "1", "--max-tokens", "12", "--drafters", "suffix",
+    res = _bench("spec", "--workloads", "code", "--prompts", "1", "--max-tokens", "32", "--drafters", "suffix",
                  "hvd-cost", "oracle", "--regimes", "cold", "warm-repeat", "agent", "warm-history",
                  "--history-prompts", "1", "--dtype", "float32", "--threads", "1", "--out", str(out), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
