@@ -358,7 +358,7 @@ def precision_recall(labels: list, which: int, at: float = 6.0) -> tuple[int, fl
 def bench_spec(args) -> str:
     """Greedy vs each drafter, batch 1, interleaved per prompt; per-workload MAT, forwards/1k, tok/s,
     in each suffix-history regime asked for (``hvd_ray.bench.regimes``)."""
-    from hvd_ray.bench.regimes import agent_turn, history_prompts
+    from hvd_ray.bench.regimes import agent_turn
     from hvd_ray.traces.history import past_outputs, warm_global_tree
 
     model, tok = load("default", args.dtype)
@@ -372,7 +372,7 @@ def bench_spec(args) -> str:
     max_len = args.max_prompt_tokens + agent_room + args.max_tokens + 64
     names = ["greedy", *args.drafters]
 
-    audit: dict = {}  # (regime, workload) -> [(ŷ, calibrated estimate, label)] of hvd-cost's decisions
+    audit: dict = {}  # regime -> [(ŷ, calibrated estimate, label)] of hvd-cost's decisions
 
     def fresh(history=()) -> dict[str, Runner]:
         runners = {}
@@ -399,10 +399,16 @@ def bench_spec(args) -> str:
 
     labels: list = []
 
-    def audit_into(regime: str, runs: "Runs") -> None:  # the labels so far belong to this pass
-        per = audit.setdefault(regime, [])
-        per += labels
+    def measure(regime: str, runners, work) -> "Runs":
+        """One interleaved pass, filed under ``regime`` with the audit labels it produced."""
+        runs = run_interleaved(runners, work, params, f"{regime} ")
+        audit.setdefault(regime, []).extend(labels)
         labels.clear()
+        if regime in regimes:
+            by_regime[regime] = runs.rows
+        for m, v in runs.identical.items():
+            identical.setdefault(m, []).extend(v)
+        return runs
 
     warm = past_outputs(args.warm_traces) if args.warm_traces else []
     params = SamplingParams(max_tokens=args.max_tokens)
@@ -413,18 +419,9 @@ def bench_spec(args) -> str:
     if first:  # cold, then warm-repeat and agent on the same engines (their trees hold the earlier passes)
         runners = fresh(warm if "cold" not in regimes else ())
         runners["greedy"](prompts[0][2], params, None)  # warm-up
-        base = run_interleaved(runners, prompts, params, "cold ")
-        audit_into("cold", base)
-        if "cold" in regimes:
-            by_regime["cold"] = base.rows
-        for m, v in base.identical.items():
-            identical.setdefault(m, []).extend(v)
+        base = measure("cold", runners, prompts)
         if "warm-repeat" in regimes:
-            runs = run_interleaved(runners, prompts, params, "warm-repeat ")
-            audit_into("warm-repeat", runs)
-            by_regime["warm-repeat"] = runs.rows
-            for m, v in runs.identical.items():
-                identical.setdefault(m, []).extend(v)
+            measure("warm-repeat", runners, prompts)
         if "agent" in regimes:
             from hvd_ray.workloads import load_workload
 
@@ -432,16 +429,13 @@ def bench_spec(args) -> str:
             turns = [(w, f"{pid}/agent", agent_turn(objs[pid], tok.decode(base.outputs[(w, pid, "greedy")],
                                                                            skip_special_tokens=True), tok))
                      for w, pid, _ in prompts if pid in objs]
-            runs = run_interleaved(runners, turns, params, "agent ")
-            audit_into("agent", runs)
-            by_regime["agent"] = runs.rows
-            for m, v in runs.identical.items():
-                identical.setdefault(m, []).extend(v)
+            measure("agent", runners, turns)
     if "warm-history" in regimes:
         history = list(warm)
         if not history:  # decode train-split prompts of the same workloads with plain greedy
             t0 = time.perf_counter()
-            hist_ids = history_prompts(tok, packaged, args.history_prompts, args.max_prompt_tokens)
+            hist_ids = [ids for *_, ids in prompt_ids(tok, packaged, args.history_prompts, args.max_prompt_tokens,
+                                                       "train")]
             g = Engine(model, max_batch=1, max_len=max_len, num_draft_tokens=0, eos_token_ids=[tok.eos_token_id])
             history = [(f"history-{i}", r.output) for i, r in enumerate(g.generate([ids], params)[0]
                                                                          for ids in hist_ids)]
@@ -451,12 +445,7 @@ def bench_spec(args) -> str:
         else:
             notes.append(f"warm-history: the global trees start with {len(history)} past outputs "
                          f"(the train-split traces in `{args.warm_traces}`).")
-        runners = fresh(history)
-        runs = run_interleaved(runners, prompts, params, "warm-history ")
-        audit_into("warm-history", runs)
-        by_regime["warm-history"] = runs.rows
-        for m, v in runs.identical.items():
-            identical.setdefault(m, []).extend(v)
+        measure("warm-history", fresh(history), prompts)
     methods = [m for m in names if any((w, m) in rows for rows in by_regime.values() for w in args.workloads)]
 
     lines = [

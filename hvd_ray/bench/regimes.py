@@ -11,9 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from ..workloads import Prompt, load_workload, render
+from ..workloads import Prompt, render
 
 REGIMES = ("cold", "warm-repeat", "agent", "warm-history")
 
@@ -35,20 +33,4 @@ def agent_turn(prompt: Prompt, answer: str, tokenizer) -> list[int]:
     return tokenizer(render(turn, tokenizer), add_special_tokens=False)["input_ids"]
 
 
-def history_prompts(tokenizer, workloads: Sequence[str], per_workload: int, max_prompt_tokens: int
-                    ) -> list[list[int]]:
-    """Train-split prompts of ``workloads`` (never the measured test split), as token ids."""
-    out = []
-    for w in workloads:
-        taken = 0
-        for p in load_workload(w, split="train"):
-            ids = tokenizer(render(p, tokenizer), add_special_tokens=False)["input_ids"]
-            if len(ids) <= max_prompt_tokens:
-                out.append(ids)
-                taken += 1
-            if taken == per_workload:
-                break
-    return out
-
-
-__all__ = ["DEFAULT_FOLLOW_UP", "FOLLOW_UPS", "REGIMES", "agent_turn", "history_prompts"]
+__all__ = ["DEFAULT_FOLLOW_UP", "FOLLOW_UPS", "REGIMES", "agent_turn"]
