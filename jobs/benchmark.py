@@ -294,8 +294,13 @@ def spec_table(rows: dict, workloads, methods) -> list[str]:
             continue
         g_tps = g["tokens"] / g["time"]
         for m in methods:
-            r = rows[(w, m)]
+            r = rows.get((w, m))
+            if r is None:
+                continue
             tps = r["tokens"] / r["time"]
+            if not r["stats"]:  # a peer: tokens and time only
+                lines.append(f"| {w} | {m} | - | - | {tps:.1f} | {tps / g_tps:.2f}x | - | - |")
+                continue
             lines.append(f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
                          f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
                          f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% |")
@@ -313,19 +318,23 @@ def dominance_table(by_regime: dict, workloads, methods) -> list[str]:
     model = [m for m in methods if m in MODEL_METHODS]
     if "hvd-cost" not in methods or not (cache or model):
         return []
+    peers = [m for m in methods if m.startswith("vllm-suffix")]
     lines = ["| regime | workload | hvd-cost tok/s | best single source | hvd-cost / best | hvd-cost fwd/1k | "
-             "oracle fwd/1k | hvd-cost / oracle fwd |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "oracle fwd/1k | hvd-cost / oracle fwd |" + "".join(f" hvd-cost / {m} |" for m in peers),
+             "| --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(peers)]
     for regime, rows in by_regime.items():
         for w in workloads:
             if (w, "hvd-cost") not in rows:
                 continue
-            tps = {m: rows[(w, m)]["tokens"] / rows[(w, m)]["time"] for m in cache + model + ["hvd-cost"]}
+            tps = {m: rows[(w, m)]["tokens"] / rows[(w, m)]["time"]
+                   for m in cache + model + peers + ["hvd-cost"] if (w, m) in rows}
             best = max(cache + model, key=tps.get)
             fwd = lambda m: 1000 * rows[(w, m)]["forwards"] / max(rows[(w, m)]["tokens"], 1)  # noqa: E731
             orc = f"{fwd('oracle'):.0f}" if (w, "oracle") in rows else "-"
             ratio = f"{fwd('hvd-cost') / fwd('oracle'):.2f}" if (w, "oracle") in rows else "-"
+            vs = "".join(f" {tps['hvd-cost'] / tps[m]:.2f} |" if m in tps else " - |" for m in peers)
             lines.append(f"| {regime} | {w} | {tps['hvd-cost']:.1f} | {best} {tps[best]:.1f} | "
-                         f"**{tps['hvd-cost'] / tps[best]:.2f}** | {fwd('hvd-cost'):.0f} | {orc} | {ratio} |")
+                         f"**{tps['hvd-cost'] / tps[best]:.2f}** | {fwd('hvd-cost'):.0f} | {orc} | {ratio} |{vs}")
     return lines
 
 
@@ -374,10 +383,27 @@ def bench_spec(args) -> str:
 
     audit: dict = {}  # regime -> [(ŷ, calibrated estimate, label)] of hvd-cost's decisions
 
+    peers: list = []  # live vLLM processes, closed at the end
+
     def fresh(history=()) -> dict[str, Runner]:
         runners = {}
         for name in names:
             try:
+                if name.startswith("vllm-"):  # the vLLM peer, same prompts, interleaved (jobs/vllm_peer.py)
+                    from report_methods import VLLM_METHODS, NotRun, VllmRunner
+
+                    if history:
+                        continue  # its history would have to be decoded through it: not in warm-history
+                    if not args.vllm_python:
+                        raise ValueError("vLLM methods need --vllm-python (bash ../shared/peers/setup_vllm.sh)")
+                    if name not in VLLM_METHODS:
+                        raise ValueError(f"unknown vLLM method; choose from {', '.join(VLLM_METHODS)}")
+                    try:
+                        runners[name] = VllmRunner(args.vllm_python, VLLM_METHODS[name], args.dtype, args.threads)
+                    except NotRun as e:
+                        raise ValueError(str(e)) from e
+                    peers.append(runners[name])
+                    continue
                 if name == "oracle":
                     from report_methods import engine_method_runner, make_engine_method
 
@@ -446,6 +472,10 @@ def bench_spec(args) -> str:
             notes.append(f"warm-history: the global trees start with {len(history)} past outputs "
                          f"(the train-split traces in `{args.warm_traces}`).")
         measure("warm-history", fresh(history), prompts)
+    for p in peers:
+        p.close()
+    if any(n.startswith("vllm-") for n in names) and "warm-history" in regimes:
+        notes.append("vLLM methods run in cold, warm-repeat and agent (same engines), not in warm-history.")
     methods = [m for m in names if any((w, m) in rows for rows in by_regime.values() for w in args.workloads)]
 
     lines = [
@@ -523,7 +553,21 @@ def bench_http(args) -> str:
 
     tok = AutoTokenizer.from_pretrained(resolve("default"))
     n_per = 2 if args.quick else 4
-    prompts = [ids for _, _, ids in prompt_ids(tok, ("function_calling", "code", "code_edit", "chat"), n_per, 1024)]
+    sets = ("function_calling", "code", "code_edit", "chat")
+    prompts = [ids for _, _, ids in prompt_ids(tok, sets, n_per, 1024)]
+    levels = {c: prompts * (2 if c >= 8 else 1) for c in args.concurrency}
+    if args.fresh_prompts:  # every level its own held-out prompts (test, then validation split), none sent twice
+        need = sum(2 if c >= 8 else 1 for c in args.concurrency) * n_per + 1  # + 1 for the warm-up
+        pool = {w: [ids for _, _, ids in prompt_ids(tok, (w,), need, 1024, "test")
+                    + prompt_ids(tok, (w,), need, 1024, "validation")][:need] for w in sets}
+        short = [w for w, ids in pool.items() if len(ids) < need]
+        if short:
+            raise ValueError(f"--fresh-prompts: too few held-out prompts in {', '.join(short)} for these levels")
+        prompts, at = [pool[w][-1] for w in sets], 0  # the warm-up prompts are not measured
+        for c in args.concurrency:
+            k = n_per * (2 if c >= 8 else 1)
+            levels[c] = [ids for w in sets for ids in pool[w][at:at + k]]
+            at += k
     drafter, _, mode = args.serve_drafter.partition(":")
     mode = mode or "mirror"
     config = {"model": "default", "dtype": args.dtype, "drafter": drafter, "max_batch": 8,
@@ -571,7 +615,7 @@ def bench_http(args) -> str:
         with httpx.Client(base_url=base) as c:
             s0 = c.get("/stats").json()
         for conc in args.concurrency:
-            work = prompts * (2 if conc >= 8 else 1)
+            work = levels[conc]
             t0 = time.perf_counter()
             with ThreadPoolExecutor(conc) as pool:
                 res = list(pool.map(one, work))
@@ -603,7 +647,12 @@ def bench_http(args) -> str:
            + (" + shipped EAGLE-3 head, cost policy)" if drafter == "hvd" else ")") if drafter in ("hvd", "suffix") else "")
         + f", max_batch 8, {args.threads} torch threads; greedy, up to {args.max_tokens} new tokens; "
         f"{len(prompts)} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
-        "(`/v1/completions`, SSE). Concurrency 8 and above sends every prompt twice.",
+        "(`/v1/completions`, SSE). "
+        + ("Every level sends its own held-out prompts (test, then validation split; twice as many at "
+           "concurrency 8 and above) and no prompt is sent twice: the suffix history holds only earlier "
+           "levels' answers to other prompts." if args.fresh_prompts else
+           "Concurrency 8 and above sends every prompt twice; every level after the first re-sends the "
+           "first level's prompts (their answers are in the suffix history)."),
         "",
         "Latency = request start to `[DONE]`; TTFT = request start to the first text chunk; "
         "actor wait = time the engine loop spent on suffix-drafter actor calls (blocked on them in `remote` mode; "
@@ -642,9 +691,12 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                     for c in args.concurrency]
             summary = ("# HTTP benchmark summary (servers run one after another in one job)\n\n"
                        f"Command: `{' '.join(['python', 'jobs/benchmark.py'] + sys.argv[1:])}`\n\n"
-                       "Every concurrency level sends the same prompts, so from the second level on a server "
-                       "with a suffix cache has their answers in its global tree (the warm-repeat regime of "
-                       "`benchmarks/regimes.md`); only the first level is a cold pass.\n\n"
+                       + ("Every level sends its own held-out prompts and none is sent twice: each level is a "
+                          "cold pass for its prompts (the suffix history holds earlier levels' answers to other "
+                          "prompts).\n\n" if args.fresh_prompts else
+                          "Every concurrency level sends the same prompts, so from the second level on a server "
+                          "with a suffix cache has their answers in its global tree (the warm-repeat regime of "
+                          "`benchmarks/regimes.md`); only the first level is a cold pass.\n\n")
                        + "\n".join([head, "| --- |" + " --- |" * (2 * len(args.servers) - 1), *rows]) + "\n\n")
         dest.write_text(summary + "\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
         print(f"wrote {dest}", file=sys.stderr)
@@ -670,6 +722,8 @@ def main() -> None:
                     help="http: servers to run, drafter[:suffix_actor_mode] (hvd, suffix, none, ...; mirror | remote)")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8],
                     help="http: concurrent streaming clients, one measurement per value")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="http: every concurrency level sends its own held-out prompts, none sent twice (cold caches)")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
     ap.add_argument("--threads", type=int, default=2)

@@ -16,6 +16,7 @@ RequestStats or None)``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -194,8 +195,50 @@ VLLM_METHODS = {
     "vllm-greedy": None,
     "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "vllm-suffix": {"method": "suffix", "num_speculative_tokens": 16},
+    # vLLM's suffix defaults cap a draft at 12 tokens (tree depth 24 / 2); depth 64 allows 32
+    "vllm-suffix-d64": {"method": "suffix", "num_speculative_tokens": 32, "suffix_decoding_max_tree_depth": 64},
     "vllm-eagle3": {"method": "eagle3", "num_speculative_tokens": 8},  # "model": our shipped head, set below
 }
+
+
+class VllmRunner:
+    """A benchmark runner (``ids, params, ref -> (output, None)``) over a live ``vllm_peer.py
+    --serve`` process in the vLLM interpreter ``python``: one ``LLM`` (``spec``: its speculative
+    config, None for plain decoding), asked one prompt at a time so it interleaves with our methods
+    (the pipe's round trip, about a millisecond, counts in its time)."""
+
+    def __init__(self, python: str, spec: dict | None, dtype: str, threads: int, start_timeout: float = 900):
+        from hvd_ray.model import resolve
+
+        if not Path(python).exists():
+            raise NotRun(f"--vllm-python {python} does not exist")
+        job = {"model": str(resolve("default")), "dtype": dtype, "threads": threads, "spec": spec}
+        env = dict(os.environ)
+        iomp = Path(python).absolute().parents[1] / "lib" / "libiomp5.so"  # the venv's, not the base python's
+        if iomp.exists():  # vLLM's CPU guide: preload Intel OpenMP, or lose "significant performance"
+            env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+        self.proc = subprocess.Popen([python, str(HERE / "vllm_peer.py"), "--serve", json.dumps(job)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if not line or not json.loads(line).get("ready"):
+            self.close()
+            raise NotRun(f"the vLLM peer did not start (rc {self.proc.returncode}; its log is on stderr)")
+
+    def __call__(self, ids, params, ref=None):
+        self.proc.stdin.write(json.dumps({"ids": list(ids), "max_tokens": params.max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM peer exited (rc {self.proc.poll()})")
+        return json.loads(line)["out"], None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 def run_vllm(python: str, prompts, max_tokens: int, threads: int, eagle3_head: str, timeout: float = 3600) -> dict:

@@ -7,6 +7,15 @@ never imported by hvd-ray itself.
 "methods": {name: speculative_config or null}}``. Every method gets its own ``LLM`` (bf16, batch 1);
 the prompts run interleaved across methods (A B A B ...). Prints one JSON line:
 ``{"version": ..., "methods": {name: {"tokens", "time", "outputs", "per_prompt": [[tokens, s]]} | {"error": str}}}``.
+
+    /path/to/vllm-venv/bin/python jobs/vllm_peer.py --serve '{"model": ..., "dtype": ..., "threads": t,
+                                                               "spec": speculative_config or null}'
+
+keeps one ``LLM`` alive and answers one prompt per stdin line (``{"ids": [...], "max_tokens": n}``)
+with one stdout line (``{"out": [...], "s": seconds}``), so ``jobs/benchmark.py spec --vllm-python``
+interleaves it per prompt with hvd-ray's methods. The engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vLLM's separate core process busy-polls a core, which
+would slow the other methods down while this one waits.
 """
 
 from __future__ import annotations
@@ -47,5 +56,33 @@ def main() -> None:
     print(json.dumps({"version": vllm.__version__, "methods": res}))
 
 
+def serve(job: dict) -> None:
+    answers = os.fdopen(os.dup(1), "w")  # the answers' own stream; anything else printed goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+    os.environ.setdefault("OMP_NUM_THREADS", str(job["threads"]))
+    from vllm import LLM, SamplingParams
+
+    kw = {"speculative_config": job["spec"]} if job.get("spec") else {}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for batch 1
+    # on CPU this fraction of the NUMA node's memory must be free at start-up (the tests' Ray and
+    # our own engines hold some of it)
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_model_len=8192, max_num_seqs=1,
+              enforce_eager=True, gpu_memory_utilization=0.3, **kw)
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        sp = SamplingParams(temperature=0.0, max_tokens=ask["max_tokens"])
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ask["ids"]}], sp, use_tqdm=False)[0].outputs[0]
+        print(json.dumps({"out": list(out.token_ids), "s": time.perf_counter() - t0}), file=answers, flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--serve":
+        serve(json.loads(sys.argv[2]))
+    else:
+        main()

@@ -70,6 +70,38 @@ def test_vllm_peer_without_vllm_is_not_run():
         pytest.skip("vllm is installed here")
     with pytest.raises(NotRun, match="vLLM run failed"):
         run_vllm(sys.executable, [("chat", "p", [1, 2, 3])], 4, 1, "head")
+    from report_methods import VllmRunner
+
+    with pytest.raises(NotRun, match="did not start"):  # the live peer of `spec`, same reason
+        VllmRunner(sys.executable, None, "float32", 1)
+
+
+VLLM_PYTHON = os.environ.get("HVD_VLLM_PYTHON", str(Path.home() / ".cache/hvd-peers/vllm/bin/python"))
+
+
+@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM peer interpreter (bash ../shared/peers/setup_vllm.sh)")
+def test_live_vllm_peers_interleave_and_decode_greedy():
+    """`spec`'s vLLM methods: two live peers (plain and suffix decoding) answer prompt by prompt,
+    fp32 greedy, and agree with each other and with our engine's greedy output."""
+    from report_methods import VLLM_METHODS, VllmRunner
+
+    from hvd_ray.engine import Engine, SamplingParams
+    from hvd_ray.model import load
+
+    model, tok = load("default", "float32")
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=False), add_special_tokens=False)["input_ids"]
+               for q in ("Write a Python function that reverses a string.", "Name three primary colours.")]
+    params = SamplingParams(max_tokens=16)
+    ours = [r.output for r in Engine(model, max_batch=1, max_len=512).generate(prompts, params)]
+    peers = [VllmRunner(VLLM_PYTHON, VLLM_METHODS[m], "float32", 2) for m in ("vllm-greedy", "vllm-suffix")]
+    try:
+        for ids, want in zip(prompts, ours):
+            assert [p(ids, params)[0] for p in peers] == [want, want]
+    finally:
+        for p in peers:
+            p.close()
+    assert all(p.proc.poll() is not None for p in peers)
 
 
 def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -98,14 +130,17 @@ def test_spec_on_a_user_prompt_file(tmp_path):
     assert "| chat |" not in md  # only the file: no --workloads given
     assert '"my-agent/suffix"' in md  # raw figures keyed by the file's label
 
+    from benchmark import user_workloads  # what the CLI checks, before any model loads
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
-    for argv, why in ((["--prompt-file", str(bad)], "needs a 'messages' list"),
-                      (["--prompt-file", str(tmp_path / "none.jsonl")], "not found"),
-                      (["--prompt-file", str(mine), "--split", "test"], "pass --split all"),
-                      (["--prompt-file", str(mine), "--workloads", "my-agent"], "must differ")):
-        res = _bench("spec", *argv, timeout=60)
-        assert res.returncode == 2 and why in res.stderr, (argv, res.stderr[-500:])
+    for files, split, taken, why in (([bad], None, (), "needs a 'messages' list"),
+                                     ([mine], "test", (), "pass --split all"),
+                                     ([mine], None, ("my-agent",), "must differ")):
+        with pytest.raises(ValueError, match=why):
+            user_workloads([str(f) for f in files], split, taken)
+    res = _bench("spec", "--prompt-file", str(tmp_path / "none.jsonl"), timeout=60)  # the CLI says it, exit 2
+    assert res.returncode == 2 and "not found" in res.stderr, res.stderr[-500:]
     for mode in ("http", "report"):
         res = _bench(mode, "--prompt-file", str(mine), timeout=60)
         assert res.returncode == 2 and "spec-mode option" in res.stderr, mode

@@ -360,7 +360,7 @@ def test_cost_policy_relearns_the_cache_from_steps_that_did_not_verify_it():
     truth = [7, 8, 9]
     for step in range(6):
         n0 = len(req.output)
-        pol._shadow["r"] = (Draft.chain([7, 8, 9, 10]), 1.0, "suffix-global", n0, None)
+        pol._shadow["r"] = (Draft.chain([7, 8, 9, 10]), 1.0, "suffix-global", n0, None, 4)
         req.output += truth  # the model drafter's step emitted 2 accepted + 1 bonus, all as cached
         pol.shadow(req, StepRecord("eagle3", 5, 2, 0.001, 0.01))
     assert pol.cache_scale["suffix-global"] > 2.0  # 3 matched where 1 was predicted
@@ -391,3 +391,42 @@ def test_hvd_cost_prior_reads_the_heads_training_report(tmp_path, report):
     expected = {"all_positions": 2.1, "response_only": 0.8,
                 "none": float(pol.predictor.meta.get("model_mean_accept", 1.0))}[report]
     assert pol.prior_accept == pytest.approx(expected)
+
+
+def test_cost_policy_reaches_past_the_match_at_the_start_of_a_repeat():
+    """HVD's suffix drafter reaches ``CACHE_OFFSET`` tokens past its match. Where a 2-token forward
+    costs about twice a 1-token one (fp32 on an AVX2 CPU), the match-sized drafts at the start of a
+    repeated answer (1, 2, 3 tokens) rarely pay and the longer ones do, so the cost policy verifies
+    past the match; φ_t still describes the match-sized draft, the one trace replay labels."""
+    from transformers import AutoTokenizer
+
+    from hvd_ray.engine.costs import StepCosts
+    from hvd_ray.selection.hvd import CACHE_OFFSET, suffix_config
+    from hvd_ray.selection.policy import AlwaysCache, unextended
+
+    s = tiny_setup()
+    model = Transformer.from_pretrained(s["folder"], dtype=torch.float32)
+    flags = VocabFlags.from_tokenizer(AutoTokenizer.from_pretrained(s["tokenizer"]), model.cfg.vocab_size)
+    costs = StepCosts({1: 1.0, 2: 1.77, 8: 1.83, 16: 2.23, 32: 2.9, 64: 3.5, 128: 6.0})
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    prompt, want = s["prompts"][0], s["outputs"][0]
+    assert suffix_config("tau").max_spec_offset == 0 and suffix_config("cost").max_spec_offset == CACHE_OFFSET
+
+    def repeat(cache, policy):
+        engine = Engine(model, drafters=[cache], policy=policy, max_batch=1, max_len=512, num_draft_tokens=16)
+        outs = [engine.generate([prompt], params)[0] for _ in range(2)]  # the second holds the first's answer
+        assert [r.output for r in outs] == [want, want]
+        return outs[1].stats.steps
+
+    cache = SuffixDrafter(suffix_config("cost"))
+    steps = repeat(cache, CostPolicy(constant_predictor(1.0), cache, None, flags, cost_table=costs))
+    plain = SuffixDrafter()
+    base = repeat(plain, AlwaysCache(plain, None, flags))
+    assert steps[0].source.startswith("suffix") and steps[0].drafted > base[0].drafted
+    assert len(steps) < len(base)
+
+    cache.begin("probe", prompt + want[:1])  # one output token: the match is short, the draft is not
+    long = cache.speculate("probe", 64)
+    cache.end("probe")
+    assert len(long) > long.match_len == unextended(long, cache)
+    assert unextended(long, plain) == len(long)  # a drafter without an offset: the draft itself

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..drafters import make_drafter
-from ..drafters.suffix import SuffixDrafter
+from ..drafters.suffix import SuffixConfig, SuffixDrafter
 from ..engine.costs import measure_step_costs
 from .features import VocabFlags
 from .policy import VERIFY_COST, AlwaysCache, AlwaysModel, CostPolicy, Policy, ScoreRule, TauPolicy
@@ -22,6 +22,18 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_PREDICTOR = ASSETS / "predictor-smollm2"
 EAGLE3_ASSET = ASSETS / "eagle3-smollm2"
 POLICIES = ("tau", "cost", "score", "always-cache", "always-model")
+# The cost policy's cache drafts reach this many tokens past their match (SuffixDecoding's
+# max_spec_offset), while the path's probability stays >= min_token_prob, and the policy verifies
+# only the part that pays: on hardware where a 2-token forward costs twice a 1-token one, the
+# match-sized drafts at the start of a repeated answer (1, 2, 3 tokens) never pay, a 9-token
+# draft does. φ_t still describes the match-sized draft (policy.unextended).
+CACHE_OFFSET = 8
+
+
+def suffix_config(policy: str, **kw) -> SuffixConfig:
+    """The suffix drafter's settings under ``policy``: arctic-inference's defaults, with drafts
+    reaching ``CACHE_OFFSET`` past the match for the cost policy (which sizes what it verifies)."""
+    return SuffixConfig(max_spec_offset=CACHE_OFFSET if policy == "cost" else 0.0, **kw)
 
 
 def load_predictor(path: str | Path | None = None) -> YieldPredictor:
@@ -45,7 +57,7 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
     once per model; engine/costs.py) instead of assuming the static ``VERIFY_COST`` table."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    cache = cache if cache is not None else SuffixDrafter()
+    cache = cache if cache is not None else SuffixDrafter(suffix_config(policy))
     drafter = make_drafter(model_drafter, model, eagle3_head=eagle3_head, draft_model=draft_model, slots=slots,
                            max_len=max_len)
     flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)

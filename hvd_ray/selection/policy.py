@@ -106,6 +106,16 @@ def nominal(draft: Draft, n: int) -> Draft:
     return cut
 
 
+def unextended(draft: Draft, cache) -> int:
+    """The length ``cache`` would have drafted from ``draft``'s match without its
+    ``max_spec_offset`` (a drafter configured to reach past its match, as HVD's is): φ_t describes
+    that draft, the one trace replay labels with SuffixDecoding's settings."""
+    cfg = getattr(cache, "config", None)
+    if cfg is None or not getattr(cfg, "max_spec_offset", 0):
+        return len(draft)
+    return int(draft.match_len * cfg.max_spec_factor + 1e-6)
+
+
 class Policy(abc.ABC):
     """Base: ``decide`` picks a source; ``__call__`` is the engine hook.
 
@@ -134,7 +144,7 @@ class Policy(abc.ABC):
         budget = engine.draft_budget(req)
         long_budget = max(budget, engine.draft_budget(req, self.cache))
         long = self.cache.speculate(req.req_id, long_budget)
-        draft = nominal(long, budget)
+        draft = nominal(long, min(budget, unextended(long, self.cache)))
         phi = (features(draft, prompt_len=len(req.prompt), generated=len(req.output),
                         max_tokens=req.params.max_tokens, last_token=req.tokens[-1],
                         history=history_from_steps(req.stats.steps), flags=self.flags)
@@ -324,7 +334,7 @@ class CostPolicy(Policy):
             y = max(y, 0.0) * self.cache_scale.get(tree, 1.0)
             longest = max(view.cache_long, view.cache_len)
             best = None
-            for take in sorted({view.cache_len, longest} | {n for n in (16, 32) if view.cache_len < n < longest}):
+            for take in sorted({view.cache_len, longest} | {n for n in (4, 8, 16, 32) if view.cache_len < n < longest}):
                 rate = (self.cache_yield(y, view, take, tree) + 1) / c(1 + take)
                 if best is None or rate > best[0]:
                     best = (rate, take)
@@ -360,22 +370,27 @@ class CostPolicy(Policy):
                     cur = max(1.0, self.model_len_seen) * self.model_token_cost
                 self.model_draft_cost = ema(cur, min(rec.draft_s / self.forward_s, 3.0 * cur))
 
-    def learn_cache(self, key: str, accepted: float, predicted: float, tree_mass: float | None = None) -> None:
+    def learn_cache(self, key: str, accepted: float, predicted: float, tree_mass: float | None = None,
+                    nominal: tuple[float, float] | None = None) -> None:
         """Fold one cache-draft outcome into its bucket: ``accepted`` tokens where the (uncalibrated)
-        prediction for the same window was ``predicted`` and the draft's tree probabilities there
-        summed to ``tree_mass``. Each estimate is scored (squared error) before it learns."""
+        prediction was ``predicted`` and the draft's tree probabilities summed to ``tree_mass``.
+        ``nominal``: (accepted, tree mass) within the window ŷ describes, when the draft reached
+        past it (the predictor learns and both estimates are scored there; the tree's scale learns
+        over the whole draft). Each estimate is scored (squared error) before it learns."""
         a = self.adapt
         if a == 0.0 or key is None:
             return
         if tree_mass is not None:
+            got, mass = nominal if nominal is not None else (accepted, tree_mass)
             err = self._errors.setdefault(key, [0.0, 0.0])
-            by_pred = min(predicted * self.cache_scale.get(key, 1.0), max(predicted, tree_mass, accepted))
-            by_tree = tree_mass * self.tree_scale.get(key, 1.0)
-            err[0] = (1 - a) * err[0] + a * (accepted - by_pred) ** 2
-            err[1] = (1 - a) * err[1] + a * (accepted - by_tree) ** 2
+            by_pred = min(predicted * self.cache_scale.get(key, 1.0), max(predicted, mass, got))
+            by_tree = mass * self.tree_scale.get(key, 1.0)
+            err[0] = (1 - a) * err[0] + a * (got - by_pred) ** 2
+            err[1] = (1 - a) * err[1] + a * (got - by_tree) ** 2
             tsums = self._tree_sums.setdefault(key, [0.0, 0.0])
             tsums[0] = (1 - a) * tsums[0] + a * accepted
             tsums[1] = (1 - a) * tsums[1] + a * tree_mass
+            accepted = got
             if tsums[1] > 0.05:
                 # (> 1 is real: a live request counts in its own global-tree base, halving its probabilities)
                 self.tree_scale[key] = min(4.0, max(0.01, tsums[0] / tsums[1]))
@@ -391,7 +406,7 @@ class CostPolicy(Policy):
         seen = self._shadow.pop(req.req_id, None)
         if seen is None or rec is None:
             return
-        draft, y, key, n0, take = seen
+        draft, y, key, n0, take, L0 = seen
         emitted = req.output[n0:]
         if rec.source.startswith("suffix"):
             got, window = rec.accepted, rec.drafted
@@ -401,7 +416,9 @@ class CostPolicy(Policy):
         else:
             got, window = matched(draft, emitted), min(len(draft), len(emitted))
         if window > 0:
-            self.learn_cache(key, float(got), min(max(y, 0.0), float(window)), float(sum(draft.probs[:window])))
+            w0 = min(window, L0)
+            self.learn_cache(key, float(got), min(max(y, 0.0), float(w0)), float(sum(draft.probs[:window])),
+                             nominal=(float(min(got, w0)), float(sum(draft.probs[:w0]))))
 
     def decide(self, view, tree: str | None = None, model_accept: float | None = None,
                model_len: float | None = None):
@@ -442,7 +459,7 @@ class CostPolicy(Policy):
             est = self.cache_yield(max(y, 0.0) * self.cache_scale.get(key, 1.0), view, view.cache_len, key)
             self.audit.append((req.req_id, len(req.output), y, est, view.cache_len, long))
         if len(long):
-            self._shadow[req.req_id] = (long, y, key, len(req.output), view.take)
+            self._shadow[req.req_id] = (long, y, key, len(req.output), view.take, view.cache_len)
             while len(self._shadow) > 4096:  # finished requests age out
                 self._shadow.popitem(last=False)
         return self._choice(choice, y, long, view.take)

@@ -20,6 +20,7 @@ new ones a 503, ``check_health`` fails and Serve replaces the replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -239,7 +240,6 @@ class ModelReplica:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         import torch
 
-        from ..drafters import make_drafter
         from ..engine import Engine
         from ..model import load
 
@@ -279,10 +279,13 @@ class ModelReplica:
         ``suffix_actor`` is set."""
         cache = None
         if cfg.suffix_actor and cfg.drafter in ("suffix", "hvd"):
+            from ..selection.hvd import suffix_config
             from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
 
-            actor = service_actor(cfg.suffix_actor_name, history=cfg.suffix_history)
-            cache = MirroredSuffixDrafter(actor) if cfg.suffix_actor_mode == "mirror" else RemoteSuffixDrafter(actor)
+            conf = suffix_config(cfg.policy if cfg.drafter == "hvd" else "none")
+            actor = service_actor(cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history)
+            mirror = cfg.suffix_actor_mode == "mirror"
+            cache = MirroredSuffixDrafter(actor, conf) if mirror else RemoteSuffixDrafter(actor, config=conf)
         drafters, policy = self._build_drafters(cfg, max_len, cache)
         if cfg.suffix_history:  # in-process trees (mirror, or no actor); the actor warms its own
             from ..traces.history import past_outputs, warm_global_tree

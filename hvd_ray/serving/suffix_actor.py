@@ -139,8 +139,9 @@ class RemoteSuffixDrafter:
     adaptive_length = True  # drafts sized by match length, as the in-process SuffixDrafter
 
     def __init__(self, actor, *, timeout_s: float = 2.0, retry_s: float = 0.5,
-                 start_timeout_s: float = 120.0) -> None:
+                 start_timeout_s: float = 120.0, config: SuffixConfig | None = None) -> None:
         self.actor = actor
+        self.config = config  # the settings the actor drafts with, when known (policies read them)
         self.client = uuid.uuid4().hex[:12]
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self._ctx: dict[Hashable, list[int]] = {}  # live request -> prompt + emitted tokens
