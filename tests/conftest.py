@@ -105,7 +105,7 @@ def target(default_folder):
 
 @pytest.fixture(scope="session")
 def prompts(target):
-    """>= 20 real held-out prompts: code, chat and function calling."""
+    """12 real held-out prompts: 4 each of code, chat and function calling."""
     from hvd_ray.workloads import load_workload, render
 
     _, tok = target
@@ -117,9 +117,9 @@ def prompts(target):
             if len(ids) <= MAX_PROMPT:
                 out.append(ids)
                 taken += 1
-            if taken == 7:
+            if taken == 4:
                 break
-    assert len(out) >= 20
+    assert len(out) == 12
     return out
 
 

@@ -54,7 +54,7 @@ def test_greedy_speculative_is_token_identical(name, target, prompts, plain, tmp
         assert max(s.accepted for s in steps) >= 3
     # batch 1 on a few prompts
     engine = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=1024, num_draft_tokens=6)
-    for ids, want in list(zip(prompts, plain))[::7]:
+    for ids, want in list(zip(prompts, plain))[::5]:  # one per workload
         assert engine.generate([ids], params)[0].output == want
 
 

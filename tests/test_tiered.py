@@ -178,7 +178,7 @@ def test_lossless_is_token_identical_with_fewer_full_forwards(name, target, prom
     if name == "suffix":  # batch 1 on a few prompts
         engine = Engine(model, drafters=[make_drafter(name, model)], max_batch=1, max_len=1024, num_draft_tokens=6,
                         slim=SlimTier("layerskip", "lossless"))
-        for ids, want in list(zip(prompts, plain))[::7]:
+        for ids, want in list(zip(prompts, plain))[::5]:  # one per workload
             assert engine.generate([ids], params)[0].output == want
 
 
