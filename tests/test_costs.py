@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_ray.engine.costs import StepCosts, interpolate, measure_step_costs
+from hvd_ray.engine.costs import StepCosts, batch_cap, interpolate, measure_step_costs
 from hvd_ray.model.transformer import Transformer
 
 
@@ -33,6 +33,21 @@ def test_costs_interpolate_and_share_a_forward_across_a_batch():
     assert costs.per_row(1, 1) == 1.0
     assert costs.per_row(1, 8) == pytest.approx(2.0 / 8)  # eight 1-token rows share one forward
     assert costs.per_row(2, 8) == pytest.approx(3.0 / 8)  # a 1-token draft each doubles the width
+
+
+def test_the_batch_cap_weighs_the_padded_width_against_every_row_s_gain():
+    costs = StepCosts({1: 1.0, 8: 1.2, 16: 2.0, 64: 6.0})
+    # eight rows, one with a 16-token draft worth 1.5 tokens: padding all rows to 17 does not pay
+    gains = [[0.0]] * 7 + [[min(j, 1.5) for j in range(17)]]
+    assert batch_cap([0] * 7 + [16], gains, costs) == 0
+    # alone, its first 2 tokens pay (2.5 tokens at cost 1.03 against 1 token at 1.0), the rest not
+    assert batch_cap([16], [gains[-1]], costs) == 2
+    # eight rows that each expect 0.9 of one draft token: a 2-wide step (cost 2.0) beats 1-wide (1.2)
+    one = [[0.0, 0.9, 1.2, 1.3]] * 8
+    assert batch_cap([3] * 8, one, costs) == 1
+    # a confident long draft beside a plain row: both rows pay its width, and it still pays
+    sure = [[0.0], [float(j) for j in range(33)]]
+    assert batch_cap([0, 32], sure, costs) == 32
 
 
 def test_the_suffix_cache_drafts_past_the_model_budget_losslessly(default_folder):

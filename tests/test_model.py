@@ -71,27 +71,28 @@ def test_multi_token_forward_and_rollback_equal_step_by_step(tiny_llama):
         model.cache.truncate(0, 99)
 
 
-def test_batched_forward_equals_per_sequence(tiny_folder):
+@pytest.mark.parametrize("slots", [(0, 1, 2), (0, 2, 3)])  # one run of slots; runs [0], [2, 3]
+def test_batched_forward_equals_per_sequence(tiny_folder, slots):
     model = Transformer.from_pretrained(tiny_folder, dtype=torch.float32)
-    model.setup_cache(4, 128)
+    model.setup_cache(5, 128)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 19, 12)]
-    alone = [ours_logits(model, s, slot=3) for s in seqs]
-    # batched prefill with padding, slots 0..2
+    alone = [ours_logits(model, s, slot=4) for s in seqs]
+    # batched prefill with padding
     T = max(map(len, seqs))
     toks = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
-    for s in range(3):
+    for s in slots:
         model.cache.truncate(s, 0)
-    out = model(toks, [0, 1, 2], n_new=[len(s) for s in seqs]).logits
+    out = model(toks, list(slots), n_new=[len(s) for s in seqs]).logits
     for b, s in enumerate(seqs):
         assert (out[b, : len(s)] - alone[b]).abs().max() <= ATOL
-        assert model.cache.lengths[b] == len(s)
+        assert model.cache.lengths[slots[b]] == len(s)
     # then a batched decode step of different widths from different lengths
     nxt = [[11, 12, 13], [14], [15, 16]]
     toks = torch.tensor([n + [0] * (3 - len(n)) for n in nxt])
-    out = model(toks, [0, 1, 2], n_new=[len(n) for n in nxt]).logits
+    out = model(toks, list(slots), n_new=[len(n) for n in nxt]).logits
     for b, s in enumerate(seqs):
-        ref = ours_logits(model, s + nxt[b], slot=3)
+        ref = ours_logits(model, s + nxt[b], slot=4)
         assert (out[b, : len(nxt[b])] - ref[len(s):]).abs().max() <= ATOL
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -52,6 +53,24 @@ class StepCosts:
         (rows of a batch pay together, so long drafts stop paying as the batch grows)."""
         batch = max(1, batch)
         return self(batch * width) / batch
+
+
+def batch_cap(lengths: Sequence[int], gains: Sequence[Sequence[float]], costs: "StepCosts") -> int:
+    """The draft length every row of a batch is cut to this step.
+
+    A batched verify forward pads every row to the longest draft, so its cost is
+    ``costs(B * (1 + k))`` for the longest kept draft ``k``, whatever the other rows hold: one
+    request verifying 32 tokens makes seven plain-decoding neighbours pay for 33 each. ``gains[r][j]``
+    is row ``r``'s expected accepted tokens with its draft cut to ``j`` tokens (``gains[r][0] = 0``).
+    Returns the cap with the most expected tokens per unit of forward time (ties: the shorter)."""
+    B = len(lengths)
+    best = (-1.0, 0)
+    for k in range(max(lengths, default=0) + 1):
+        got = sum(g[min(n, k, len(g) - 1)] for g, n in zip(gains, lengths))
+        value = (B + got) / costs(B * (1 + k))
+        if value > best[0] * (1 + 1e-9):
+            best = (value, k)
+    return best[1]
 
 
 def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 3) -> StepCosts:
@@ -101,4 +120,4 @@ def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 3) ->
     return costs
 
 
-__all__ = ["StepCosts", "WIDTHS", "interpolate", "measure_step_costs"]
+__all__ = ["StepCosts", "batch_cap", "WIDTHS", "interpolate", "measure_step_costs"]

@@ -29,6 +29,7 @@ from ..verification import (greedy_walk, rejection_sample_chain, rejection_sampl
 from ..verification.sampling import sample
 from ..verification.tiered import SlimStep, SlimTier
 from ..verification.tree import tree_depths
+from .costs import batch_cap
 from .request import Request, SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -36,11 +37,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Choice:
     """A policy's decision for one request and step: which source drafts, optionally the draft
-    itself (when the policy had to draft to decide) and the predicted accepted length."""
+    itself (when the policy had to draft to decide), the predicted accepted length, and ``gains``:
+    the expected accepted tokens with the draft cut to 0, 1, 2, ... tokens (a policy that prices its
+    drafts gives them, so the engine can size the batch's drafts together: ``costs.batch_cap``)."""
 
     drafter: Drafter | None
     draft: Draft | None = None
     predicted: float | None = None
+    gains: Sequence[float] | None = None
 
 
 def as_choice(x: "Choice | Drafter | None") -> Choice:
@@ -253,6 +257,10 @@ class Engine:
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None and not r.finished:
                 drafts[i] = c.draft.truncated(self.draft_budget(r, c.drafter))
+        costs = getattr(self.policy, "costs", None)
+        if costs is not None and len(reqs) > 1 and all(c.gains is not None for c in choices):
+            cap = batch_cap([len(d) for d in drafts], [c.gains for c in choices], costs)
+            drafts = [d.truncated(cap) for d in drafts]
         return drafts, [c.predicted for c in choices]
 
     def _propose(self, src: Drafter, reqs: list[Request]) -> list[Draft | None]:

@@ -228,11 +228,13 @@ class Attention(nn.Module):
             idx = (ctx.slot_idx[:, None, :], ctx.head_idx, ctx.write_pos[:, None, :])  # [B, KV, T]
             kc.index_put_(idx, k.transpose(1, 2).to(kc.dtype))
             vc.index_put_(idx, v.transpose(1, 2).to(vc.dtype))
-            if ctx.slot_range is not None:  # consecutive slots: a view, not a gather
-                a, b = ctx.slot_range
-                keys, vals = kc[a:b, :, : ctx.span], vc[a:b, :, : ctx.span]
-            else:
-                keys, vals = kc[ctx.slots_t, :, : ctx.span], vc[ctx.slots_t, :, : ctx.span]
+            # each run of consecutive slots reads its cache rows as a view: gathering the rows of
+            # scattered slots (requests finish at different steps) would copy every layer's K/V
+            parts = [attend(q[r : r + b - a], kc[a:b, :, :span], vc[a:b, :, :span],
+                            None if ctx.mask is None else ctx.mask[r : r + b - a, ..., :span])
+                     for a, b, r, span in ctx.runs]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return reduce_shards(linear(out, self.wo), self.tp_group)
         return reduce_shards(linear(attend(q, keys, vals, ctx.mask), self.wo), self.tp_group)
 
 
@@ -303,6 +305,19 @@ class KVCache:
         self.lengths[slot] = start + n
 
 
+def slot_runs(slots: Sequence[int], starts: Sequence[int], T: int) -> list[tuple[int, int, int, int]]:
+    """``slots`` cut into runs of consecutive cache slots: ``(first slot, last slot + 1, first row,
+    key span)`` each, the span being the run's longest prefix + ``T``."""
+    runs: list[list[int]] = []
+    for row, (s, st) in enumerate(zip(slots, starts)):
+        if runs and s == runs[-1][1]:
+            runs[-1][1] += 1
+            runs[-1][3] = max(runs[-1][3], st + T)
+        else:
+            runs.append([s, s + 1, row, st + T])
+    return [tuple(r) for r in runs]
+
+
 @dataclass
 class _StepContext:
     cache: KVCache
@@ -312,7 +327,7 @@ class _StepContext:
     span: int
     contiguous: tuple[int, int] | None
     fresh_prefill: bool = False
-    slot_range: tuple[int, int] | None = None
+    runs: list[tuple[int, int, int, int]] = field(default_factory=list)  # slot_runs
     head_idx: Tensor | None = None
     slots_t: Tensor | None = None
     slot_idx: Tensor | None = None
@@ -422,8 +437,7 @@ class Transformer(nn.Module):
         fresh = contiguous is not None and starts[0] == 0 and attn_mask is None and T > 1
         ctx = _StepContext(cache, cos, sin, mask, span, contiguous, fresh)
         if contiguous is None:
-            if list(slots) == list(range(slots[0], slots[0] + B)):
-                ctx.slot_range = (slots[0], slots[0] + B)
+            ctx.runs = slot_runs(slots, starts, T)
             ctx.slots_t = torch.tensor(list(slots), device=dev)
             ctx.slot_idx = ctx.slots_t[:, None].expand(B, T)
             ctx.write_pos = start_t[:, None] + torch.arange(T, device=dev)

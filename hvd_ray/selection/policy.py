@@ -462,7 +462,20 @@ class CostPolicy(Policy):
             self._shadow[req.req_id] = (long, y, key, len(req.output), view.take, view.cache_len)
             while len(self._shadow) > 4096:  # finished requests age out
                 self._shadow.popitem(last=False)
-        return self._choice(choice, y, long, view.take)
+        out = self._choice(choice, y, long, view.take)
+        out.gains = self.gains(choice, view, y, key, m)
+        return out
+
+    def gains(self, choice: str, view: StepView, y: float, key: str | None, model_accept: float) -> list[float]:
+        """Expected accepted tokens of the chosen draft cut to 0, 1, 2, ... tokens (the engine
+        sizes the batch's drafts together from these: ``engine.costs.batch_cap``)."""
+        if choice == CACHE:
+            y = max(y, 0.0) * self.cache_scale.get(key, 1.0)
+            take = view.take if view.take is not None else max(view.cache_long, view.cache_len)
+            return [self.cache_yield(y, view, j, key) for j in range(take + 1)]
+        if choice == MODEL and self.model is not None:
+            return [min(model_accept, float(j)) for j in range(view.model_len + 1)]
+        return [0.0]
 
 
 class OraclePolicy(Policy):
