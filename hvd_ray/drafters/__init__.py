@@ -31,7 +31,12 @@ def make_drafter(name: str, model, *, draft_model: str | None = None, eagle3_hea
     if name == "eagle3":
         from .eagle3 import Eagle3Drafter, Eagle3Head, shipped_head
 
+        from ..model.transformer import pack_linears
+
         head = Eagle3Head.load(eagle3_head, model) if eagle3_head else shipped_head(model)
+        # this head only drafts: its fp32 linears run on prepacked weights too, as the target's
+        # (Eagle3Head.load cannot: training loads heads with it and packed copies take no updates)
+        pack_linears(head, head.device, head.dtype, fp32=True)
         return Eagle3Drafter(model, head, tree=tree, slots=slots, max_len=max_len,
                              min_prob=0.0 if tree else EAGLE3_MIN_PROB)
     raise ValueError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
