@@ -84,7 +84,8 @@ def generate(args: argparse.Namespace) -> int:
                 raise ValueError("--suffix-history needs a suffix drafter (--drafter suffix or hvd)")
         slim = None
         if args.slim:
-            from .verification.tiered import SlimTier, resolve_mask
+            from .dimr import resolve_mask
+            from .verification.tiered import SlimTier
 
             slim = SlimTier(resolve_mask(args.slim, model.cfg.n_layers), args.slim_mode)
     except (ModelError, ValueError, FileNotFoundError) as e:

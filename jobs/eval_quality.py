@@ -46,7 +46,8 @@ import torch  # noqa: E402
 from hvd_ray.drafters import make_drafter  # noqa: E402
 from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
 from hvd_ray.model import load  # noqa: E402
-from hvd_ray.verification.tiered import SlimTier, TierThresholds, describe_mask, resolve_mask  # noqa: E402
+from hvd_ray.dimr import describe_mask, resolve_mask  # noqa: E402
+from hvd_ray.verification.tiered import SlimTier, TierThresholds  # noqa: E402
 from hvd_ray.workloads import load_workload, render  # noqa: E402
 
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
@@ -176,14 +177,14 @@ def bfcl_match(calls: list[dict] | None, truth: list[dict]) -> bool:
 
 
 # --------------------------------------------------------------------------------------- methods
-def slim_tier(mode: str, args) -> SlimTier:
+def slim_tier(mode: str, args, n_layers: int) -> SlimTier:
     """``lossless`` | ``tiered`` (the gates given) | ``tiered-strict`` (q' accepts only its own argmax)."""
     if mode == "tiered-strict":
         th = TierThresholds(accept=1.0, escalate=args.escalate, early_accept=1.0, own=args.own)
         mode = "tiered"
     else:
         th = TierThresholds(accept=args.accept, escalate=args.escalate, own=args.own)
-    return SlimTier(args.mask, mode, th, max_lag=args.max_lag)
+    return SlimTier(resolve_mask(args.mask, n_layers), mode, th, max_lag=args.max_lag)
 
 
 def make_engine(method: str, model, tok, args, max_batch: int, max_len: int) -> Engine:
@@ -193,7 +194,7 @@ def make_engine(method: str, model, tok, args, max_batch: int, max_len: int) -> 
         make_drafter(drafter_name, model, slots=max_batch, max_len=max_len)]
     return Engine(model, drafters=drafters, max_batch=max_batch, max_len=max_len,
                   num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
-                  slim=slim_tier(mode, args) if mode else None)
+                  slim=slim_tier(mode, args, model.cfg.n_layers) if mode else None)
 
 
 def prefix_agreement(out: list[int], ref: list[int]) -> float:

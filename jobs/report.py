@@ -78,7 +78,7 @@ def cpu_name() -> str:
 
 
 def slim_note(args, model) -> str:
-    from hvd_ray.verification.tiered import describe_mask
+    from hvd_ray.dimr import describe_mask
 
     return describe_mask(args.slim_mask or "default", model.cfg.n_layers) if args.slim_mask else (
         "shipped DIMR mask" if "DIMR" in describe_mask("default", model.cfg.n_layers) else "none shipped")

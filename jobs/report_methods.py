@@ -116,13 +116,14 @@ class ArcticDrafter:
 # ------------------------------------------------------------------------------- our methods
 def slim_tier(mode: str, mask: str | None, n_layers: int):
     """A VIA-SD slim tier over the shipped DIMR mask (or ``mask``); NotRun when there is none."""
-    from hvd_ray.verification.tiered import SlimTier, _shipped, resolve_mask
+    from hvd_ray.dimr.mask import _shipped, resolve_mask
+    from hvd_ray.verification.tiered import SlimTier
 
     if mask is not None:
         return SlimTier(resolve_mask(mask, n_layers), mode)
     if _shipped(n_layers) is None:
         raise NotRun("no mask: the DIMR mask hvd_ray/assets/slim-smollm2/ is not shipped")
-    return SlimTier("default", mode)
+    return SlimTier(resolve_mask("default", n_layers), mode)
 
 
 def make_engine_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, object | None]:

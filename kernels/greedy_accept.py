@@ -3,7 +3,7 @@
 ``logits [B, K+1, V]`` (row j: the target's prediction after node j; node 0 is the last context
 token) and ``drafts [B, K]`` padded to ``K`` with true lengths ``draft_lens [B]`` give, per
 sequence, the longest prefix with ``draft[j] == argmax(logits[j])`` and the bonus token (the argmax
-after that prefix). Reference: ``hvd_ray.verification.greedy_accept_chain_batch_torch``.
+after that prefix). Reference: ``verify_greedy_torch`` (which ``hvd_ray.verification`` runs off CUDA).
 
 The kernel runs one program per sequence that walks the rows in order and stops at the first
 mismatch: only the rows it needs are read, once, tile by tile, and no ``[B, K+1]`` argmax (let alone
@@ -30,10 +30,16 @@ def _check(logits: torch.Tensor, drafts: torch.Tensor, draft_lens) -> tuple[torc
 
 def verify_greedy_torch(logits: torch.Tensor, drafts: torch.Tensor,
                         draft_lens: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's torch implementation (the reference); ``(accepted [B], bonus [B])``, long."""
-    from hvd_ray.verification.greedy import greedy_accept_chain_batch_torch
-
-    return greedy_accept_chain_batch_torch(logits, drafts, draft_lens)
+    """The torch reference, any device, no host sync; ``(accepted [B], bonus [B])``, long. Padding
+    (past ``draft_lens``) is never accepted."""
+    drafts, lens = _check(logits, drafts, draft_lens)
+    K = logits.shape[1] - 1
+    best = logits.argmax(-1)                                          # [B, K+1]
+    valid = torch.arange(K, device=best.device) < lens[:, None]
+    matches = (best[:, :K] == drafts) & valid                         # [B, K]
+    accepted = matches.long().cumprod(1).sum(1)                       # [B]
+    bonus = best.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, bonus
 
 
 @jit

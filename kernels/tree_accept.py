@@ -6,8 +6,9 @@ parents precede children, as ``hvd_ray.verification.check_parents`` demands) and
 (true draft sizes; the rest is padding). From the root, the walk moves to the first child in draft
 order whose token is the argmax at the current node, and stops when there is none: the argmax
 there is the bonus token. Output ``(path [B, N], path_len [B], bonus [B])`` with ``path`` holding
-the accepted draft indices root side first, padded with -1. Reference: the engine's
-``hvd_ray.verification.greedy_walk`` per sequence.
+the accepted draft indices root side first, padded with -1. Reference: ``verify_tree_torch``, a
+walk of its own (kernels import nothing from ``hvd_ray``); the tests hold it to the engine's
+``hvd_ray.verification.greedy_walk``.
 
 One program per sequence holds the draft's tokens and parents in registers and takes an argmax only
 of the rows on the accepted path (depth + 1 rows instead of N + 1).
@@ -35,9 +36,7 @@ def _check(logits, drafts, parents, n_nodes):
 
 def verify_tree_torch(logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor,
                       n_nodes: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference: one ``torch.argmax`` over the logits, then the engine's ``greedy_walk`` per sequence."""
-    from hvd_ray.verification.greedy import greedy_walk
-
+    """Reference: one ``torch.argmax`` over the logits, then a walk per sequence in Python."""
     drafts, parents, n_nodes = _check(logits, drafts, parents, n_nodes)
     B, N1, _ = logits.shape
     best, toks, pars, ns = (t.tolist() for t in (logits.argmax(-1), drafts, parents, n_nodes))
@@ -45,13 +44,27 @@ def verify_tree_torch(logits: torch.Tensor, drafts: torch.Tensor, parents: torch
     lens, bonus = [], []
     for b in range(B):
         n = ns[b]
-        p, nxt = greedy_walk(best[b][: n + 1], toks[b][:n], pars[b][:n])
+        p, nxt = _walk(best[b][: n + 1], toks[b][:n], pars[b][:n])
         path[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         lens.append(len(p))
         bonus.append(nxt)
     dev = logits.device
     return path.to(dev), torch.tensor(lens, dtype=torch.long, device=dev), \
         torch.tensor(bonus, dtype=torch.long, device=dev)
+
+
+def _walk(best: list[int], toks: list[int], pars: list[int]) -> tuple[list[int], int]:
+    """From the root, move to the first child (in draft order) whose token is ``best`` at the current
+    node; ``(path, best at the node where it stops)``. At most ``len(toks)`` moves, like the kernel."""
+    path: list[int] = []
+    node = 0
+    for _ in range(len(toks)):
+        child = next((i for i, (t, p) in enumerate(zip(toks, pars)) if p + 1 == node and t == best[node]), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child + 1
+    return path, best[node]
 
 
 @jit

@@ -84,6 +84,32 @@ def test_cpu_dispatch_runs_the_references():
         assert (path[b, n[b]:] == -1).all()
 
 
+def test_greedy_references_walk_like_the_engine():
+    """kernels keep torch references of their own (they import nothing from hvd_ray): random chains
+    and trees, tied logits and duplicate sibling tokens included, give the engine's walks."""
+    from hvd_ray.verification import greedy_walk
+    from hvd_ray.verification.greedy import greedy_accept_chain
+
+    from kernels import verify_greedy_torch, verify_tree_torch
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        B, N, V = 1 + trial % 4, trial % 7, 3
+        logits = torch.randint(0, 2, (B, N + 1, V), generator=g).float()  # many ties
+        best = logits.argmax(-1)
+        drafts = torch.where(torch.rand(B, N, generator=g) < 0.7, best[:, :N], torch.randint(0, V, (B, N), generator=g))
+        lens = torch.randint(0, N + 1, (B,), generator=g)
+        acc, bonus = verify_greedy_torch(logits, drafts, lens)
+        parents = torch.tensor([[int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(N)]
+                                for _ in range(B)], dtype=torch.long).reshape(B, N)
+        path, plen, tbonus = verify_tree_torch(logits, drafts, parents, lens)
+        for b in range(B):
+            n = int(lens[b])
+            assert (int(acc[b]), int(bonus[b])) == greedy_accept_chain(logits[b, : n + 1], drafts[b, :n])
+            want = greedy_walk(best[b, : n + 1].tolist(), drafts[b, :n].tolist(), parents[b, :n].tolist())
+            assert (path[b, : plen[b]].tolist(), int(tbonus[b])) == want
+
+
 @pytest.mark.parametrize("with_q", [False, True])
 def test_rejection_reference_accepts_like_the_engine(with_q):
     """Same generator, same uniforms for the accept tests: the accepted count is the engine's."""

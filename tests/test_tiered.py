@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hvd_ray.dimr import resolve_mask
 from hvd_ray.drafters import make_drafter
 from hvd_ray.drafters.layerskip import LayerSkipDrafter
 from hvd_ray.drafters.suffix import SuffixDrafter
 from hvd_ray.engine import Engine, SamplingParams
 from hvd_ray.model.transformer import Transformer
-from hvd_ray.verification.tiered import (SlimTier, TierThresholds, confidence_ratios, repair, resolve_mask,
-                                         tiered_verdict)
+from hvd_ray.verification.tiered import SlimTier, TierThresholds, confidence_ratios, repair, tiered_verdict
 from conftest import MAX_NEW  # ``target``, ``prompts``, ``plain``: session fixtures in conftest.py
 
 EVERYTHING = TierThresholds(accept=0.0, escalate=0.0, early_accept=0.0, early_escalate=0.0, own=0.0)
@@ -63,7 +63,14 @@ def test_mask_from_a_dimr_artifact(tmp_path):
 
 def test_bad_configuration_is_rejected():
     with pytest.raises(ValueError, match="slim mode"):
-        SlimTier(mode="fast")
+        SlimTier([(1, "attn")], mode="fast")
+    # the engine takes a resolved list: names and specs go through hvd_ray.dimr.resolve_mask
+    with pytest.raises(ValueError, match="resolve_mask"):
+        SlimTier("layerskip")
+    for bad, why in (([(0, "attn")], "layer 0"), ([(3, "ffn")], "invalid"), ([], "empty")):
+        with pytest.raises(ValueError, match=why):
+            SlimTier(bad)
+    assert SlimTier([(3, "mlp"), (2, "attn"), (3, "mlp")]).mask == [(2, "attn"), (3, "mlp")]
     with pytest.raises(ValueError, match="escalate gate"):
         TierThresholds(accept=0.2, escalate=0.5)
     with pytest.raises(ValueError, match="layer 0"):
@@ -131,6 +138,8 @@ def test_tiered_that_escalates_everything_is_greedy(tiny):
     reqs = engine.generate(prompts, params)
     assert [r.output for r in reqs] == want
     assert sum(s.slim_escalated for r in reqs for s in r.stats.steps) > 0
+    with pytest.raises(ValueError, match="layer model lacks"):
+        Engine(model, slim=SlimTier([(model.cfg.n_layers, "attn")]))
 
 
 def test_lossless_sampling_preserves_the_distribution(tiny, tmp_path):
@@ -170,14 +179,14 @@ def test_lossless_is_token_identical_with_fewer_full_forwards(name, target, prom
     base = Engine(model, drafters=[make_drafter(name, model)], max_batch=4, max_len=1024, num_draft_tokens=6)
     two_tier = base.generate(prompts, params)
     engine = Engine(model, drafters=[make_drafter(name, model)], max_batch=4, max_len=1024, num_draft_tokens=6,
-                    slim=SlimTier("layerskip", "lossless"))
+                    slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "lossless"))
     reqs = engine.generate(prompts, params)
     assert [r.output for r in reqs] == plain
     assert forwards(reqs) < forwards(two_tier)
     assert sum(r.stats.slim_forwards for r in reqs) > 0
     if name == "suffix":  # batch 1 on a few prompts
         engine = Engine(model, drafters=[make_drafter(name, model)], max_batch=1, max_len=1024, num_draft_tokens=6,
-                        slim=SlimTier("layerskip", "lossless"))
+                        slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "lossless"))
         for ids, want in list(zip(prompts, plain))[::5]:  # one per workload
             assert engine.generate([ids], params)[0].output == want
 
@@ -187,7 +196,7 @@ def test_tiered_on_real_prompts_saves_full_forwards(target, prompts, plain):
     model, _ = target
     params = SamplingParams(max_tokens=MAX_NEW)
     engine = Engine(model, drafters=[make_drafter("suffix", model)], max_batch=4, max_len=1024, num_draft_tokens=6,
-                    slim=SlimTier("layerskip", "tiered"))
+                    slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "tiered"))
     reqs = engine.generate(prompts, params)
     steps = [s for r in reqs for s in r.stats.steps]
     assert any(not s.full_forward for s in steps)  # tokens were settled by q' alone

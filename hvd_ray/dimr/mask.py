@@ -168,7 +168,7 @@ def save_mask(mask: SlimMask, folder: str | Path) -> Path:
     return folder
 
 
-def resolve_mask(name_or_path: str | Path) -> Path:
+def mask_folder(name_or_path: str | Path) -> Path:
     """A shipped mask name (``"slim-smollm2"``, ``"default"``) or a folder / ``mask.json`` path -> folder."""
     key = str(name_or_path)
     if key in SHIPPED:
@@ -190,7 +190,7 @@ def load_mask(name_or_path: str | Path, model: Any = None, *, model_revision: st
     ``model`` (a Transformer or ModelConfig) must have the mask's layer count; ``model_revision``
     (see ``hvd_ray.traces.collect.model_revision``), when given and recorded, must match.
     """
-    folder = resolve_mask(name_or_path)
+    folder = mask_folder(name_or_path)
     data = (folder / MASK_FILE).read_bytes()
     pin_file = folder / CHECKSUM_FILE
     if not pin_file.is_file():
@@ -227,3 +227,60 @@ def as_mask(x: "SlimMask | Iterable[SubLayer] | str", n_layers: int) -> SlimMask
 def shipped_mask(model: Any = None) -> SlimMask:
     """The DIMR mask searched for the default model (``hvd_ray/assets/slim-smollm2``), checksum-pinned."""
     return load_mask("slim-smollm2", model)
+
+
+# ------------------------------------------------------------------- the engine's slim mask
+def resolve_mask(mask: "str | Path | SlimMask | Sequence[SubLayer] | None", n_layers: int) -> list[SubLayer]:
+    """The slim verifier's skipped sub-layers (what ``SlimTier`` takes) from: a ``SlimMask`` or a list
+    of ``(layer, kind)``; ``"default"`` / None (the shipped DIMR mask when it fits, else
+    ``layerskip.default_skip``); ``"layerskip"`` (``default_skip``); a mask artifact (folder,
+    ``mask.json`` or shipped name, checksum-verified by ``load_mask``); or a skip spec
+    (``"attn:10-17,mlp:20"``). Here, not in ``verification``: the names need the drafters and DIMR."""
+    from ..drafters.layerskip import default_skip, parse_skip
+
+    if mask is None or (isinstance(mask, str) and mask == "default"):
+        skip = _shipped(n_layers) or default_skip(n_layers)
+    elif isinstance(mask, str) and mask == "layerskip":
+        skip = default_skip(n_layers)
+    elif isinstance(mask, (str, Path)):
+        skip = _load_artifact(str(mask))
+        if skip is None:
+            skip = parse_skip(str(mask))
+    else:
+        skip = [(int(i), str(k)) for i, k in getattr(mask, "skip", mask)]
+    bad = [s for s in skip if not 0 <= s[0] < n_layers or s[1] not in SUBS]
+    if bad:
+        raise ValueError(f"invalid slim-verifier sub-layers {bad} for a {n_layers}-layer model")
+    if any(i == 0 for i, _ in skip):
+        raise ValueError("the slim verifier always keeps layer 0 (its K/V anchor every position)")
+    if not skip:
+        raise ValueError("an empty slim mask is the full model: use no slim tier instead")
+    return sorted(set(skip))
+
+
+def describe_mask(mask: "str | Path | SlimMask | Sequence[SubLayer] | None", n_layers: int) -> str:
+    """Where ``resolve_mask`` takes this mask from, for reports."""
+    if mask is None or mask == "default":
+        return "shipped DIMR mask" if _shipped(n_layers) else "layerskip.default_skip (no DIMR mask shipped)"
+    return str(mask) if isinstance(mask, (str, Path)) else "explicit list"
+
+
+def _shipped(n_layers: int) -> list[SubLayer] | None:
+    """The shipped DIMR mask for a model of ``n_layers`` layers, if one is shipped."""
+    try:
+        m = load_mask("default")
+    except MaskError:
+        return None
+    return list(m.skip) if m.n_layers == n_layers else None
+
+
+def _load_artifact(spec: str) -> list[SubLayer] | None:
+    """A ``SlimMask`` artifact's skip list; None when ``spec`` is no artifact (a skip spec)."""
+    try:
+        return list(load_mask(spec).skip)
+    except MaskError as e:
+        looks_like_spec = all(p.strip().split(":")[0] in ("attn", "mlp", "layer")
+                              for p in spec.split(",") if p.strip())
+        if looks_like_spec and not Path(spec).exists():
+            return None
+        raise ValueError(str(e)) from None

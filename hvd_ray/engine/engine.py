@@ -27,7 +27,7 @@ from ..model.transformer import Transformer
 from ..verification import (greedy_walk, rejection_sample_chain, rejection_sample_tree, target_probs,
                             tree_attention_mask)
 from ..verification.sampling import sample
-from ..verification.tiered import SlimStep, SlimTier
+from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
 from .costs import batch_cap
 from .request import Request, SamplingParams, StepRecord
@@ -109,7 +109,8 @@ class Engine:
         self.eos = set(eos_token_ids) | set(model.cfg.eos_token_ids)
         self.detokenize = detokenize
         self.slim = slim  # VIA-SD slim-verifier tier (verification/tiered.py); None = two tiers
-        self._slim_step = SlimStep(model, slim) if slim is not None else None
+        if slim is not None and max(i for i, _ in slim.mask) >= model.cfg.n_layers:
+            raise ValueError(f"slim mask {slim.mask} skips layers a {model.cfg.n_layers}-layer model lacks")
         if model.cache is None or model.cache.slots < max_batch or model.cache.max_len < max_len:
             model.setup_cache(max_batch, max_len)
         self.max_len = model.cache.max_len
@@ -288,57 +289,141 @@ class Engine:
         return out
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
-        if self._slim_step is not None:
-            return self._slim_step.decode(self, reqs)
+        """One decoding step for the running requests: draft, let the slim tier (if any) settle or
+        repair each draft, verify the rest with one target forward, then record and emit."""
         t0 = time.perf_counter()
         reqs, drafts, predicted = self._live_drafts(reqs)
         if not reqs:
             return []
         t1 = time.perf_counter()
-        dev = self.model.device
         B = len(reqs)
-        widths = [1 + len(d) for d in drafts]
-        T = max(widths)
-        starts = [self.model.cache.lengths[r.slot] for r in reqs]
-        toks = torch.tensor([[r.pending] + d.token_ids + [0] * (T - w)
-                             for r, d, w in zip(reqs, drafts, widths)], device=dev)
-        trees = any(not d.is_chain for d in drafts)
-        mask = depths = None
-        if trees:
-            mask = torch.tril(torch.ones(B, T, T, dtype=torch.bool, device=dev))
-            depths = torch.arange(T, device=dev).repeat(B, 1)
-            for b, d in enumerate(drafts):
-                if not d.is_chain:
-                    mask[b, : widths[b], : widths[b]] = tree_attention_mask(d.parents, device=dev)
-                    depths[b, : widths[b]] = torch.tensor(tree_depths(d.parents), device=dev)
-        out = self.model(toks, [r.slot for r in reqs], n_new=widths, depths=depths,
-                         attn_mask=mask, taps=self.taps)
-        logits = out.logits
-        walks = best = None
-        if logits.is_cuda and T > 1 and all(r.params.greedy for r in reqs):
-            walks = self.device_walks(logits, drafts)  # one Triton pass, no full argmax
-        elif any(r.params.greedy for r in reqs):
-            best = logits.argmax(-1).tolist()  # one sync
+        for r in reqs:  # without a lossy tier every layer's K/V is exact up to the cache length
+            if r.full_len is None or self.slim is None or self.slim.mode == "lossless":
+                r.full_len = self.model.cache.lengths[r.slot]
+        settled: dict[int, list[int]] = {}
+        counts = [(0, 0, 0)] * B  # slim accepted / regenerated / escalated
+        if self.slim is not None:
+            settled, drafts, counts = self._slim_pass(reqs, drafts)
+        full = [b for b in range(B) if b not in settled]
+        verified = dict(zip(full, self._verify_full([reqs[b] for b in full], [drafts[b] for b in full])))
+        t2 = time.perf_counter()
         results = []
         for b, (req, d) in enumerate(zip(reqs, drafts)):
+            if req.finished:  # its verification failed (``_fail``); released by ``step``
+                continue
+            if b in settled:
+                emitted = settled[b]
+                accepted = len(emitted) - 1
+            else:
+                path, nxt = verified[b]
+                emitted, accepted = [d.token_ids[i] for i in path] + [nxt], len(path)
+            req.stats.steps.append(StepRecord(
+                d.source or "none", len(d), accepted, (t1 - t0) / B, (t2 - t1) / B, predicted[b],
+                slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
+                full_forward=b not in settled))
             try:
-                path, nxt = self._verify(req, d, logits[b, : widths[b]], walks[b] if walks is not None else None,
-                                         best[b] if best is not None else None)
-                keep = [0] + [i + 1 for i in path]
-                self.model.cache.compact(req.slot, starts[b], keep)
-                emitted = [d.token_ids[i] for i in path] + [nxt]
-                if self.taps:
-                    self._observe(req, emitted, out.taps, b, torch.tensor(keep, device=dev))
-                req.stats.target_forwards += 1
-                t2 = time.perf_counter()
-                req.stats.steps.append(StepRecord(d.source or "none", len(d), len(path),
-                                                  (t1 - t0) / B, (t2 - t1) / B, predicted[b]))
                 results.append(self._emit(req, emitted))
-            except Exception as e:  # noqa: BLE001 - this request's verification: fail it alone
-                self._fail(req, e, "verification")
+            except Exception as e:  # noqa: BLE001 - a drafter's accept: fail this request alone
+                self._fail(req, e, "emitting tokens")
         dt = time.perf_counter() - t0
         for r in reqs:
             r.stats.decode_s += dt
+        return results
+
+    def _slim_pass(self, reqs: list[Request], drafts: list[Draft]
+                   ) -> tuple[dict[int, list[int]], list[Draft], list[tuple[int, int, int]]]:
+        """The slim tier (``verification/tiered.py``): one ``q'`` forward (the target with ``skip``)
+        over ``[pending] + draft`` for the chain drafts it can help. A tiered greedy row ``q'`` settles
+        keeps its tokens' K/V unverified (``full_len`` stays behind, the next full forward catches
+        up); every other row gets its draft repaired by ``q'``. Returns the settled rows' tokens by
+        row, the drafts to verify (settled rows keep theirs, for the record) and the slim counts."""
+        tier, cache, dev = self.slim, self.model.cache, self.model.device
+        B = len(reqs)
+        starts = [cache.lengths[r.slot] for r in reqs]
+        tiered = [tier.mode == "tiered" and r.params.greedy for r in reqs]
+        budgets = [self.draft_budget(r) for r in reqs]
+        use = [b for b in range(B) if drafts[b].is_chain and budgets[b] > 0 and (len(drafts[b]) or tier.slim_empty)
+               and not (tiered[b] and starts[b] - reqs[b].full_len + len(drafts[b]) + 1 > tier.max_lag)]
+        settled: dict[int, list[int]] = {}
+        drafts = list(drafts)
+        counts = [(0, 0, 0)] * B
+        if not use:
+            return settled, drafts, counts
+        rows = [[reqs[b].pending] + drafts[b].token_ids for b in use]
+        T = max(map(len, rows))
+        toks = torch.tensor([r + [0] * (T - len(r)) for r in rows], device=dev)
+        taps = self.taps if any(tiered[b] for b in use) else ()
+        out = self.model(toks, [reqs[b].slot for b in use], n_new=[len(r) for r in rows], skip=tier.mask, taps=taps)
+        best = out.logits.argmax(-1).tolist()
+        for j, b in enumerate(use):
+            req, d = reqs[b], drafts[b]
+            req.stats.slim_forwards += 1
+            if tiered[b] and len(d):
+                own = out.logits[j, : len(d) + 1].float().softmax(-1).amax(-1).tolist()
+                v = tiered_verdict(confidence_ratios(out.logits[j], d.token_ids), best[j], own, d.token_ids,
+                                   tier.thresholds, len(req.output))
+                if not v.escalate:
+                    settled[b] = d.token_ids[: v.accepted] + ([v.token] if v.token is not None else [])
+                    counts[b] = (v.accepted, int(v.token is not None), 0)
+                    cache.truncate(req.slot, starts[b] + len(settled[b]))
+                    if self.taps:
+                        self._observe(req, settled[b], out.taps, j, slice(0, len(settled[b])))
+                    continue
+            repaired, agreed, added = repair(best[j], d.token_ids, budgets[b])
+            counts[b] = (agreed, added, len(d) if tiered[b] else 0)
+            drafts[b] = Draft.chain(repaired, source=d.source)
+            cache.truncate(req.slot, starts[b])
+        return settled, drafts, counts
+
+    def _verify_full(self, reqs: list[Request], drafts: list[Draft]) -> list[tuple[list[int], int] | None]:
+        """One target forward over ``tokens[full_len:] + [pending] + draft`` per request: verify the
+        draft and rewrite every layer's K/V over the lag ``tokens[full_len:]`` (what the slim tier
+        settled unverified; empty without a lossy tier), so the cache is exact again up to the new
+        length. Returns ``(accepted path, next token)`` per request, None where it failed (``_fail``)."""
+        if not reqs:
+            return []
+        cache, dev = self.model.cache, self.model.device
+        B = len(reqs)
+        lags = [r.tokens[r.full_len: cache.lengths[r.slot]] for r in reqs]
+        for r in reqs:
+            cache.truncate(r.slot, r.full_len)
+        rows = [lag + [r.pending] + d.token_ids for r, lag, d in zip(reqs, lags, drafts)]
+        widths = list(map(len, rows))
+        T = max(widths)
+        toks = torch.tensor([x + [0] * (T - len(x)) for x in rows], device=dev)
+        mask = depths = None
+        if any(not d.is_chain for d in drafts):
+            mask = torch.tril(torch.ones(B, T, T, dtype=torch.bool, device=dev))
+            depths = torch.arange(T, device=dev).repeat(B, 1)
+            for b, (lag, d) in enumerate(zip(lags, drafts)):
+                if not d.is_chain:  # the draft's tree sits after the lag, which every node sees
+                    g, w = len(lag), widths[b]
+                    mask[b, g:w, g:w] = tree_attention_mask(d.parents, device=dev)
+                    depths[b, g:w] = g + torch.tensor(tree_depths(d.parents), device=dev)
+        out = self.model(toks, [r.slot for r in reqs], n_new=widths, depths=depths, attn_mask=mask, taps=self.taps)
+        logits = out.logits
+        walks = best = None
+        if logits.is_cuda and T > 1 and all(r.params.greedy for r in reqs) and not any(lags):
+            walks = self.device_walks(logits, drafts)  # one Triton pass, no full argmax
+        elif any(r.params.greedy for r in reqs):
+            best = logits.argmax(-1).tolist()  # one sync
+        results: list[tuple[list[int], int] | None] = []
+        for b, (req, lag, d) in enumerate(zip(reqs, lags, drafts)):
+            g = len(lag)
+            try:
+                path, nxt = self._verify(req, d, logits[b, g: widths[b]], walks[b] if walks is not None else None,
+                                         best[b][g:] if best is not None else None)
+                keep = list(range(g + 1)) + [g + 1 + i for i in path]
+                cache.compact(req.slot, req.full_len, keep)
+                req.full_len = cache.lengths[req.slot]
+                if self.taps:
+                    self._observe(req, [d.token_ids[i] for i in path] + [nxt], out.taps, b,
+                                  torch.tensor(keep[g:], device=dev))
+                req.stats.target_forwards += 1
+                results.append((path, nxt))
+            except Exception as e:  # noqa: BLE001 - this request's verification: fail it alone
+                self._fail(req, e, "verification")
+                results.append(None)
         return results
 
     def _live_drafts(self, reqs: list[Request]) -> tuple[list[Request], list[Draft], list[float | None]]:

@@ -99,7 +99,7 @@ class Request:
     slot: int = -1
     output: list[int] = field(default_factory=list)
     pending: int | None = None  # last emitted token, not yet in the target's KV cache
-    full_len: int | None = None  # slim tier: cache length up to which every layer is exact
+    full_len: int | None = None  # cache length up to which every layer is exact (behind it: slim-settled)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why this request failed (finish_reason "error"); the others go on
     generator: torch.Generator | None = None

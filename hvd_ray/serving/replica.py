@@ -257,7 +257,8 @@ class ModelReplica:
             drafters, policy = self._drafters(cfg, max_len)
             slim = None
             if cfg.slim:
-                from ..verification.tiered import SlimTier, resolve_mask
+                from ..dimr import resolve_mask
+                from ..verification.tiered import SlimTier
 
                 slim = SlimTier(resolve_mask(cfg.slim, self.model.cfg.n_layers), cfg.slim_mode)
             eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []

@@ -60,17 +60,11 @@ def greedy_accept_chain_batch(target_logits: torch.Tensor, drafts: torch.Tensor,
 def greedy_accept_chain_batch_torch(target_logits: torch.Tensor, drafts: torch.Tensor,
                                     draft_lens: torch.Tensor | Sequence[int]
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch implementation of ``greedy_accept_chain_batch`` (any device; the kernel's reference)."""
-    B, K1, _ = target_logits.shape
-    K = K1 - 1
-    drafts = drafts.to(target_logits.device).reshape(B, K)
-    lens = torch.as_tensor(draft_lens, device=target_logits.device).reshape(B)
-    best = target_logits.argmax(-1)                                   # [B, K+1]
-    valid = torch.arange(K, device=best.device) < lens[:, None]
-    matches = (best[:, :K] == drafts) & valid                         # [B, K]
-    accepted = matches.long().cumprod(1).sum(1)                       # [B]
-    bonus = best.gather(1, accepted[:, None]).squeeze(1)
-    return accepted, bonus
+    """The torch implementation of ``greedy_accept_chain_batch`` (any device): the kernel's own
+    reference, ``kernels.verify_greedy_torch``, so the two cannot drift apart."""
+    from kernels import verify_greedy_torch
+
+    return verify_greedy_torch(target_logits, drafts, draft_lens)
 
 
 def greedy_accept_tree(target_logits: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor,

@@ -1,0 +1,119 @@
+"""The package's layers (README "Layers"): every module of ``hvd_ray/`` and ``kernels/`` imports only
+from its own layer or lower ones, and no two modules import each other, directly or round a loop.
+
+Read with ``ast``, so every import counts: inside functions and under ``if TYPE_CHECKING`` too
+(a lazy import is still a dependency, only a hidden one). The graph holds the imports written in
+the files; a package's ``__init__`` that Python runs on the way to a submodule is not an edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# lowest first; a module may import from its own layer or below
+LAYERS = {
+    "kernels": 0, "workloads": 0,
+    "model": 1,  # model/transformer.py calls kernels' compact_kv on CUDA
+    "drafters": 2,
+    "verification": 3,
+    "engine": 4,
+    "selection": 5,
+    "traces": 6, "dimr": 6, "bench": 6,
+    "serving": 7, "cli": 7, "__main__": 7, "hvd_ray": 7,
+    "kernels.check_gpu": 7,  # a script: it checks the kernels against the engine's functions
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(mod: str) -> tuple[str, int]:
+    """(layer key, layer) of a module: its ``hvd_ray`` subpackage, else its own name or package."""
+    parts = mod.split(".")
+    key = (parts[1] if len(parts) > 1 else "hvd_ray") if parts[0] == "hvd_ray" else \
+        (mod if mod in LAYERS else parts[0])
+    if key not in LAYERS:
+        raise KeyError(f"module {mod} is in no layer: add it to LAYERS (and README's Layers)")
+    return key, LAYERS[key]
+
+
+def imports(path: Path, modules: set[str]) -> list[tuple[int, str]]:
+    """``(line, module)`` for every import of one of ``modules`` in the file, relative ones resolved;
+    ``from pkg import sub`` counts ``pkg.sub`` when that is a module (``pkg`` only for other names)."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+            if len(subs) < len(node.names):  # names from the package itself, not only its submodules
+                out.append((node.lineno, target))
+            out += [(node.lineno, m) for m in subs]
+    return sorted((line, m) for line, m in out if m in modules)
+
+
+def graph() -> tuple[dict[str, list[tuple[int, str]]], dict[str, Path]]:
+    """The module graph ``{module: [(line, imported module)]}`` and each module's file."""
+    files = {module_name(p): p for d in ("hvd_ray", "kernels") for p in sorted((ROOT / d).rglob("*.py"))}
+    return {mod: [(line, m) for line, m in imports(p, set(files)) if m != mod] for mod, p in files.items()}, files
+
+
+def test_no_import_reaches_up_a_layer():
+    edges, files = graph()
+    bad = []
+    for mod, deps in edges.items():
+        key, lo = layer_of(mod)
+        for line, dep in deps:
+            dkey, hi = layer_of(dep)
+            if hi > lo:
+                bad.append(f"{files[mod].relative_to(ROOT)}:{line}: {mod} ({key}, layer {lo}) imports {dep} "
+                           f"({dkey}, layer {hi})")
+    assert not bad, "imports from a lower layer into a higher one:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    edges, files = graph()
+    state: dict[str, int] = {}  # 1: on the DFS stack, 2: done
+    stack: list[tuple[str, int]] = []  # (module, line of the import that led to the next one)
+    cycles = []
+
+    def visit(mod: str) -> None:
+        state[mod] = 1
+        for line, dep in edges[mod]:
+            stack.append((mod, line))
+            if state.get(dep) == 1:
+                loop = stack[[m for m, _ in stack].index(dep):]
+                cycles.append(" -> ".join(f"{files[m].relative_to(ROOT)}:{ln} ({m})" for m, ln in loop) + f" -> {dep}")
+            elif dep not in state:
+                visit(dep)
+            stack.pop()
+        state[mod] = 2
+
+    for mod in edges:
+        if mod not in state:
+            visit(mod)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_graph_sees_hidden_imports():
+    """The walk finds what a regex over top-level lines would miss: relative, lazy and guarded imports."""
+    edges, _ = graph()
+    deps = {m for _, m in edges["hvd_ray.engine.engine"]}
+    assert {"hvd_ray.verification", "hvd_ray.drafters.base", "hvd_ray.engine.request"} <= deps
+    assert "kernels" in {m for _, m in edges["hvd_ray.model.transformer"]}  # imported inside a method
+    assert all(layer_of(m) for m in edges)  # every module has a layer
