@@ -88,21 +88,40 @@ def _job_env() -> dict:
 
 
 def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
-    """The Ray Train job end to end on a tiny target: loss goes down, the head round-trips."""
+    """The Ray Train job end to end on a tiny target with ``--workers 2`` (2 CPU Ray Train workers,
+    DDP over gloo): loss goes down, the head round-trips, and both workers take the same number of
+    steps (an equal share of the samples each epoch) and end with bit-identical head weights --
+    which, since they trained on different samples, also shows the gradients were averaged. The
+    digests the workers report are those of the weights rank 0 saved. Then ``--init`` (one worker)
+    fine-tunes that head."""
     import json
     import os
     import subprocess
     import sys
+
+    from hvd_ray.drafters.eagle3_train import state_digest
 
     folders, rows = _smoke_traces(tmp_path)  # two trace folders, trained on together
     out = tmp_path / "head"
     env = _job_env()
     common = ["--model", str(tiny_llama), "--minutes", "3", "--draft-vocab", "64", "--max-len", "64",
               "--threads", "1", "--lr", "3e-3", "--feature-dtype", "float32"]
+    epochs = 6
     res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", *map(str, folders), "--out", str(out),
-                          "--epochs", "6", *common], capture_output=True, text=True, env=env, timeout=600)
+                          "--epochs", str(epochs), "--workers", "2", "--cpus-per-worker", "0.5", *common],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     meta = json.loads((out / "training.json").read_text())
+    m = meta["train_metrics"]
+    n_train = sum(split_of(r["prompt_id"]) == "train" for r in rows)
+    assert n_train % 2 == 1  # so one sample an epoch is left out, and the shares are still equal
+    assert m["rank_steps"] == [epochs * (n_train // 2)] * 2, m
+    assert m["step"] == epochs * (n_train // 2)
+    assert len(m["rank_digests"]) == 2 and m["rank_digests"][0] == m["rank_digests"][1], m
+    assert m["ranks_in_sync"] is True
+    state = torch.load(f"{meta['checkpoint']}/state.pt", map_location="cpu", weights_only=True)
+    assert state_digest(state["head"]) == m["rank_digests"][0]
+    assert state["step"] == m["step"]
     per_folder = [json.loads((out / "features" / "train" / f.name / "done").read_text()) for f in folders]
     assert [d["source"] for d in per_folder] == [str(f.resolve()) for f in folders]
     assert sum(d["sequences"] for d in per_folder) == sum(split_of(r["prompt_id"]) == "train" for r in rows)
@@ -142,38 +161,3 @@ def test_prompt_positions_weigh_prompt_weight(tiny_llama):
         resp = [ttt_loss(head, *args, p, steps=3, start=12, prompt_weight=0.0)[0].item() for p in (s["pred"], other)]
         full = [ttt_loss(head, *args, p, steps=3, start=12, prompt_weight=1.0)[0].item() for p in (s["pred"], other)]
     assert abs(resp[0] - resp[1]) < 1e-6 and abs(full[0] - full[1]) > 1e-4
-
-
-def test_train_eagle3_two_workers_stay_in_step(tiny_llama, tmp_path):
-    """``--workers 2`` (2 CPU Ray Train workers, DDP over gloo): both workers take the same number
-    of steps (an equal share of the samples each epoch) and end with bit-identical head weights --
-    which, since they trained on different samples, also shows the gradients were averaged -- and
-    the loss goes down. The digests the workers report are those of the weights rank 0 saved."""
-    import json
-    import subprocess
-    import sys
-
-    from hvd_ray.drafters.eagle3_train import state_digest
-
-    folders, rows = _smoke_traces(tmp_path)
-    out = tmp_path / "head"
-    epochs = 2  # the run keeps its last two checkpoints' metrics: one per epoch
-    res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", *map(str, folders), "--out", str(out),
-                          "--model", str(tiny_llama), "--minutes", "3", "--draft-vocab", "64", "--max-len", "64",
-                          "--threads", "1", "--lr", "3e-3", "--feature-dtype", "float32", "--epochs", str(epochs),
-                          "--workers", "2", "--cpus-per-worker", "0.5"],
-                         capture_output=True, text=True, env=_job_env(), timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    meta = json.loads((out / "training.json").read_text())
-    m = meta["train_metrics"]
-    n_train = sum(split_of(r["prompt_id"]) == "train" for r in rows)
-    assert n_train % 2 == 1  # so one sample an epoch is left out, and the shares are still equal
-    assert m["rank_steps"] == [epochs * (n_train // 2)] * 2, m
-    assert m["step"] == epochs * (n_train // 2)
-    assert len(m["rank_digests"]) == 2 and m["rank_digests"][0] == m["rank_digests"][1], m
-    assert m["ranks_in_sync"] is True
-    state = torch.load(f"{meta['checkpoint']}/state.pt", map_location="cpu", weights_only=True)
-    assert state_digest(state["head"]) == m["rank_digests"][0]
-    assert state["step"] == m["step"]
-    losses = meta["loss_history"]
-    assert len(losses) == epochs and losses[-1] < losses[0], losses
