@@ -94,8 +94,9 @@ def build_engine(spec: EngineSpec, model, tokenizer, *, suffix_cache=None, draft
         from .traces.history import past_outputs, warm_global_tree
 
         # a remote suffix cache holds no tree here: its actor warms its own
-        if not warm_global_tree(drafters, past_outputs(spec.suffix_history)) and suffix_cache is None:
+        if suffix_cache is None and not any(hasattr(d, "add_to_global") for d in drafters):
             raise ValueError("suffix_history needs a suffix drafter (drafter suffix or hvd)")
+        warm_global_tree(drafters, past_outputs(spec.suffix_history))
     if slim_tier is None and spec.slim:
         from .dimr import resolve_mask
         from .verification.tiered import SlimTier
