@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from .build import add_spec_arguments, spec_from_args
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -26,24 +28,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    g.add_argument("--drafter", default="none", help="none | hvd | suffix | eagle3 | layerskip | draft-model")
-    g.add_argument("--num-draft-tokens", type=int, default=16, help="draft budget of model drafters per step")
-    g.add_argument("--cache-draft-tokens", type=int, default=64,
-                   help="draft budget of the suffix cache per step (its drafts follow its match)")
-    g.add_argument("--suffix-history", default=None, metavar="TRACES",
-                   help="start the suffix drafter's global tree with the train-split outputs of this "
-                        "collect_traces folder (past outputs of the same model)")
-    g.add_argument("--policy", default="cost", help="with --drafter hvd: cost | tau | score | always-cache | always-model")
-    g.add_argument("--predictor", default=None, help="yield predictor artifact (default: the shipped one)")
-    g.add_argument("--model-drafter", default="eagle3",
-                   help="with --drafter hvd: eagle3 (the shipped head for the default model) | layerskip | draft-model")
-    g.add_argument("--draft-model", default=None, help="folder of the draft model (--drafter draft-model)")
-    g.add_argument("--eagle3-head", default=None, help="folder of an EAGLE-3 head (--drafter eagle3)")
-    g.add_argument("--slim", default=None, metavar="MASK",
-                   help="VIA-SD slim-verifier tier: 'default' (shipped DIMR mask), 'layerskip', a skip spec "
-                        "(attn:10-17,mlp:20) or a DIMR mask artifact folder")
-    g.add_argument("--slim-mode", default="lossless", choices=["lossless", "tiered"],
-                   help="with --slim: lossless (q verifies everything) or tiered (lossy, q' settles confident tokens)")
+    # --drafter, --policy, --num-draft-tokens, ... as every command spells them (hvd_ray/build.py)
+    add_spec_arguments(g, exclude=("max_batch", "max_len"), defaults={"num_draft_tokens": 16, "cache_draft_tokens": 64})
     g.add_argument("--json", action="store_true", help="print the stats line as JSON")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many Ray rank actors (gloo on CPU, NCCL on GPU)")
@@ -52,8 +38,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .drafters import make_drafter
-    from .engine import Engine, SamplingParams, TextStreamer
+    from .build import build_engine
+    from .engine import SamplingParams, TextStreamer
     from .model import ModelError, load
 
     if args.threads:
@@ -64,33 +50,11 @@ def generate(args: argparse.Namespace) -> int:
             model, tok = _tp_model_info(args)
         else:
             model, tok = load(args.model, args.dtype, args.device)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, stop=args.stop)
-        policy = None
-        if tp > 1:
-            drafters = []  # built on every rank
-        elif args.drafter == "hvd":
-            from .selection.hvd import build_hvd
-
-            drafters, policy = build_hvd(model, tok, policy=args.policy, predictor=args.predictor,
-                                         model_drafter=args.model_drafter, eagle3_head=args.eagle3_head)
-        else:
-            drafter = make_drafter(args.drafter, model, draft_model=args.draft_model, eagle3_head=args.eagle3_head)
-            drafters = [drafter] if drafter else []
-        if args.suffix_history:
-            from .traces.history import past_outputs, warm_global_tree
-
-            if not warm_global_tree(drafters, past_outputs(args.suffix_history)):
-                raise ValueError("--suffix-history needs a suffix drafter (--drafter suffix or hvd)")
-        slim = None
-        if args.slim:
-            from .dimr import resolve_mask
-            from .verification.tiered import SlimTier
-
-            slim = SlimTier(resolve_mask(args.slim, model.cfg.n_layers), args.slim_mode)
     except (ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
@@ -99,17 +63,13 @@ def generate(args: argparse.Namespace) -> int:
     else:
         ids = tok(args.prompt)["input_ids"]
     max_len = min(model.cfg.max_position, len(ids) + args.max_tokens + args.num_draft_tokens + 64)
-    if tp > 1:
-        try:
-            engine = _tp_engine(args, max_len)
-        except (ModelError, ValueError, RuntimeError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    else:
-        engine = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=max_len,
-                        num_draft_tokens=args.num_draft_tokens, cache_draft_tokens=args.cache_draft_tokens,
-                        eos_token_ids=[tok.eos_token_id],
-                        detokenize=lambda t: tok.decode(t, skip_special_tokens=True), slim=slim)
+    spec = spec_from_args(args, max_batch=1, max_len=max_len)
+    errors = (ModelError, ValueError, RuntimeError) if tp > 1 else (ModelError, ValueError, FileNotFoundError)
+    try:
+        engine = _tp_engine(args, spec) if tp > 1 else build_engine(spec, model, tok)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         req = engine.add_request(ids, params)
     except ValueError as e:
@@ -162,7 +122,7 @@ def _tp_model_info(args: argparse.Namespace):
     return SimpleNamespace(cfg=cfg), tok
 
 
-def _tp_engine(args: argparse.Namespace, max_len: int):
+def _tp_engine(args: argparse.Namespace, spec):
     """A TensorParallelEngine over a local Ray (started here unless one is already running)."""
     import ray
 
@@ -173,10 +133,8 @@ def _tp_engine(args: argparse.Namespace, max_len: int):
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", num_cpus=max(args.tensor_parallel_size * threads, os.cpu_count() or 1),
                  include_dashboard=False, log_to_driver=False)
-    spec = TPEngineSpec(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
-                        draft_model=args.draft_model, eagle3_head=args.eagle3_head, max_batch=1, max_len=max_len,
-                        num_draft_tokens=args.num_draft_tokens, torch_threads=threads)
-    return TensorParallelEngine(spec, args.tensor_parallel_size, rank_options={"num_cpus": threads})
+    tp_spec = TPEngineSpec(model=args.model, dtype=args.dtype, device=args.device, engine=spec, torch_threads=threads)
+    return TensorParallelEngine(tp_spec, args.tensor_parallel_size, rank_options={"num_cpus": threads})
 
 
 def main(argv: list[str] | None = None) -> int:

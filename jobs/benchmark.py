@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from hvd_ray.build import add_spec_arguments  # noqa: E402
 from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
 from hvd_ray.model import load, resolve  # noqa: E402
 from hvd_ray.workloads import load_workload, render  # noqa: E402
@@ -253,17 +254,20 @@ def bench_engine(args) -> str:
 
 
 # ----------------------------------------------------------------------------------------- spec
-def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object]:
-    """(drafters, policy) for a method name: a drafter ("suffix", "layerskip", "eagle3", with "-tree"
-    for tree drafts; the suffix drafter also takes "-f<max_spec_factor>", "-o<max_spec_offset>",
+def make_method(name: str, model, tok, args, max_len: int) -> Engine:
+    """The batch-1 engine of a method name: ``greedy``, a drafter ("suffix", "layerskip", "eagle3", with
+    "-tree" for tree drafts; the suffix drafter also takes "-f<max_spec_factor>", "-o<max_spec_offset>",
     "-p<min_token_prob>") or "hvd-<policy>" (suffix + model drafter + selection policy)."""
+    from dataclasses import replace
+
+    from hvd_ray.build import build_engine, spec_from_args
     from hvd_ray.drafters import make_drafter
 
+    spec = spec_from_args(args, max_batch=1, max_len=max_len)
+    if name == "greedy":
+        return build_engine(spec, model, tok)
     if name.startswith("hvd-"):
-        from hvd_ray.selection.hvd import build_hvd
-
-        return build_hvd(model, tok, policy=name[4:], predictor=args.predictor, model_drafter=args.model_drafter,
-                         eagle3_head=args.eagle3_head, slots=1, max_len=max_len)
+        return build_engine(replace(spec, drafter="hvd", policy=name[4:]), model, tok)
     if name.startswith("suffix"):  # suffix[-tree][-fF][-oO][-pP], e.g. suffix-tree-f2-p0.05
         from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter
 
@@ -275,9 +279,12 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[list, object
         cfg = SuffixConfig(use_tree_spec="tree" in parts, max_spec_factor=opt("f", SuffixConfig.max_spec_factor),
                            max_spec_offset=opt("o", SuffixConfig.max_spec_offset),
                            min_token_prob=opt("p", SuffixConfig.min_token_prob))
-        return [SuffixDrafter(cfg)], None
-    base, tree = (name[:-5], True) if name.endswith("-tree") else (name, False)
-    return [make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len, tree=tree)], None
+        return build_engine(replace(spec, drafter="suffix"), model, tok, drafters=[SuffixDrafter(cfg)])
+    if not name.endswith("-tree"):
+        return build_engine(replace(spec, drafter=name), model, tok)
+    base = name[:-5]  # tree drafts: a drafter the spec cannot name
+    drafter = make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len, tree=True)
+    return build_engine(replace(spec, drafter=base), model, tok, drafters=[drafter])
 
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -411,16 +418,14 @@ def bench_spec(args) -> str:
                     runners[name] = engine_method_runner(eng, orc)
                     warm_global_tree(eng.drafters, history)
                     continue
-                ds, pol = ([], None) if name == "greedy" else make_method(name, model, tok, args, max_len)
+                eng = make_method(name, model, tok, args, max_len)
             except (ValueError, FileNotFoundError) as e:
                 print(f"skipping {name}: {e}", file=sys.stderr)
                 continue
-            warm_global_tree(ds, history)  # a serving system's global tree holds its past outputs
-            eng = Engine(model, drafters=ds, policy=pol, max_batch=1, max_len=max_len,
-                         num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id])
+            warm_global_tree(eng.drafters, history)  # a serving system's global tree holds its past outputs
             runners[name] = engine_runner(eng)
             if name == "hvd-cost":
-                runners[name] = audited(runners[name], pol, labels)
+                runners[name] = audited(runners[name], eng.policy, labels)
         return runners
 
     labels: list = []
@@ -708,10 +713,8 @@ def main() -> None:
     ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "http"])
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
-    ap.add_argument("--eagle3-head", default=None)
-    ap.add_argument("--predictor", default=None, help="yield predictor for hvd-* methods (default: shipped)")
-    ap.add_argument("--model-drafter", default="eagle3", help="model drafter of hvd-* methods")
-    ap.add_argument("--num-draft-tokens", type=int, default=16)
+    add_spec_arguments(ap, only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens"),
+                       defaults={"num_draft_tokens": 16})  # the options of hvd-* and model-drafter methods
     ap.add_argument("--regimes", nargs="+", default=["cold"], choices=["cold", "warm-repeat", "agent", "warm-history"],
                     help="spec: suffix-history regimes to measure (hvd_ray/bench/regimes.py)")
     ap.add_argument("--history-prompts", type=int, default=8,

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "jobs"))
 
 import torch  # noqa: E402
 
-from hvd_ray.drafters import make_drafter  # noqa: E402
+from hvd_ray.build import EngineSpec, build_engine  # noqa: E402
 from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
 from hvd_ray.model import load  # noqa: E402
 from hvd_ray.dimr import describe_mask, resolve_mask  # noqa: E402
@@ -188,13 +188,12 @@ def slim_tier(mode: str, args, n_layers: int) -> SlimTier:
 
 
 def make_engine(method: str, model, tok, args, max_batch: int, max_len: int) -> Engine:
-    """``greedy`` | ``D`` | ``D+lossless`` | ``D+tiered`` for a drafter name D."""
+    """``greedy`` | ``D`` | ``D+lossless`` | ``D+tiered`` for a drafter name D (the slim tier with
+    this job's gates, hence built here)."""
     drafter_name, _, mode = method.partition("+")
-    drafters = [] if drafter_name == "greedy" else [
-        make_drafter(drafter_name, model, slots=max_batch, max_len=max_len)]
-    return Engine(model, drafters=drafters, max_batch=max_batch, max_len=max_len,
-                  num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id],
-                  slim=slim_tier(mode, args, model.cfg.n_layers) if mode else None)
+    spec = EngineSpec(drafter="none" if drafter_name == "greedy" else drafter_name, max_batch=max_batch,
+                      max_len=max_len, num_draft_tokens=args.num_draft_tokens)
+    return build_engine(spec, model, tok, slim_tier=slim_tier(mode, args, model.cfg.n_layers) if mode else None)
 
 
 def prefix_agreement(out: list[int], ref: list[int]) -> float:

@@ -20,6 +20,7 @@ import os
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -114,16 +115,13 @@ class ArcticDrafter:
 
 
 # ------------------------------------------------------------------------------- our methods
-def slim_tier(mode: str, mask: str | None, n_layers: int):
-    """A VIA-SD slim tier over the shipped DIMR mask (or ``mask``); NotRun when there is none."""
-    from hvd_ray.dimr.mask import _shipped, resolve_mask
-    from hvd_ray.verification.tiered import SlimTier
+def slim_mask(mask: str | None, n_layers: int) -> str:
+    """The slim tier's mask: ``mask``, else the shipped DIMR mask; NotRun when there is none."""
+    from hvd_ray.dimr.mask import _shipped
 
-    if mask is not None:
-        return SlimTier(resolve_mask(mask, n_layers), mode)
-    if _shipped(n_layers) is None:
+    if mask is None and _shipped(n_layers) is None:
         raise NotRun("no mask: the DIMR mask hvd_ray/assets/slim-smollm2/ is not shipped")
-    return SlimTier(resolve_mask("default", n_layers), mode)
+    return mask or "default"
 
 
 def make_engine_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, object | None]:
@@ -131,35 +129,34 @@ def make_engine_method(name: str, model, tok, args, max_len: int) -> tuple[Engin
 
     ``greedy``, a drafter (``suffix``, ``eagle3``, ``layerskip``, ``arctic-suffix``), ``hvd-<policy>``,
     ``oracle``, ``via-lossless`` / ``via-tiered`` (EAGLE-3 + slim tier), ``hvd-<policy>+slim``
-    (HVD + lossless slim tier)."""
+    (HVD + lossless slim tier). The oracle and arctic-suffix bring their own drafters and policy."""
+    from hvd_ray.build import EngineSpec, build_engine
     from hvd_ray.drafters import make_drafter
     from hvd_ray.drafters.suffix import SuffixDrafter
-    from hvd_ray.selection.hvd import build_hvd
 
     base, _, slim = name.partition("+")
-    drafters, policy, oracle, tier = [], None, None, None
+    spec = EngineSpec(model_drafter=args.model_drafter, eagle3_head=args.eagle3_head,
+                      num_draft_tokens=args.num_draft_tokens, max_batch=1, max_len=max_len)
+    drafters, policy, oracle = None, None, None
     if base == "via-lossless" or base == "via-tiered":
-        tier = slim_tier(base[4:], args.slim_mask, model.cfg.n_layers)
-        drafters = [make_drafter(args.model_drafter, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len)]
+        spec = replace(spec, drafter=args.model_drafter, slim=slim_mask(args.slim_mask, model.cfg.n_layers),
+                       slim_mode=base[4:])
     elif base == "oracle":
         cache = SuffixDrafter()
         drafter = make_drafter(args.model_drafter, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len)
         drafters, policy = [cache, drafter], LiveOracle(cache, drafter)
         oracle = policy
     elif base.startswith("hvd-"):
-        drafters, policy = build_hvd(model, tok, policy=base[4:], model_drafter=args.model_drafter,
-                                     eagle3_head=args.eagle3_head, slots=1, max_len=max_len)
+        spec = replace(spec, drafter="hvd", policy=base[4:])
     elif base == "arctic-suffix":
         drafters = [ArcticDrafter()]
     elif base != "greedy":
-        drafters = [make_drafter(base, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len)]
+        spec = replace(spec, drafter=base)
     if slim:
         if slim != "slim":
             raise ValueError(f"unknown method suffix {slim!r} in {name!r} (only '+slim')")
-        tier = slim_tier("lossless", args.slim_mask, model.cfg.n_layers)
-    eng = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=max_len,
-                 num_draft_tokens=args.num_draft_tokens, eos_token_ids=[tok.eos_token_id], slim=tier)
-    return eng, oracle
+        spec = replace(spec, slim=slim_mask(args.slim_mask, model.cfg.n_layers), slim_mode="lossless")
+    return build_engine(spec, model, tok, drafters=drafters, policy=policy), oracle
 
 
 def engine_method_runner(engine: Engine, oracle: LiveOracle | None):

@@ -47,10 +47,11 @@ def ray_local(default_folder):  # default_folder: the model is provisioned befor
 
 
 def _tp_engine(folder, drafter: str = "none", **kw):
+    from hvd_ray.build import EngineSpec
     from hvd_ray.serving.tensor_parallel import TensorParallelEngine, TPEngineSpec
 
-    spec = TPEngineSpec(model=str(folder), dtype="float32", drafter=drafter, max_batch=4, max_len=256,
-                        num_draft_tokens=6, torch_threads=1, timeout_s=60, **kw)
+    spec = TPEngineSpec(model=str(folder), dtype="float32", torch_threads=1, timeout_s=60,
+                        engine=EngineSpec(drafter=drafter, max_batch=4, max_len=256, num_draft_tokens=6, **kw))
     return TensorParallelEngine(spec, 2)
 
 

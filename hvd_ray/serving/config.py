@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..build import EngineSpec
 from ..drafters import DRAFTERS
 from ..model.registry import ALIASES
 
@@ -122,6 +123,14 @@ class ServingConfig(BaseModel):
             raise ValueError("drafter 'hvd' is not supported with tensor_parallel_size > 1 (its cost policy reads "
                              "timings, which would differ between ranks)")
         return self
+
+    def engine_spec(self) -> EngineSpec:
+        """What the replica's engine decodes with (``hvd_ray.build``), from this config's fields."""
+        return EngineSpec(drafter=self.drafter, policy=self.policy, model_drafter=self.model_drafter,
+                          predictor=self.predictor, eagle3_head=self.eagle3_head, draft_model=self.draft_model,
+                          layerskip=self.layerskip, slim=self.slim, slim_mode=self.slim_mode,
+                          num_draft_tokens=self.num_draft_tokens, cache_draft_tokens=self.cache_draft_tokens,
+                          max_batch=self.max_batch, max_len=self.max_model_len, suffix_history=self.suffix_history)
 
     def resolved_api_key(self) -> str | None:
         """The key requests must carry: ``api_key``, else the env ``HVD_RAY_API_KEY`` of the process

@@ -240,7 +240,7 @@ class ModelReplica:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         import torch
 
-        from ..engine import Engine
+        from ..build import build_engine
         from ..model import load
 
         if cfg.torch_threads:
@@ -253,19 +253,7 @@ class ModelReplica:
             self.model, self.tok = self.engine.model, self.engine.tokenizer
         else:
             self.model, self.tok = load(cfg.model, cfg.dtype, cfg.device)
-            max_len = min(cfg.max_model_len, self.model.cfg.max_position)
-            drafters, policy = self._drafters(cfg, max_len)
-            slim = None
-            if cfg.slim:
-                from ..dimr import resolve_mask
-                from ..verification.tiered import SlimTier
-
-                slim = SlimTier(resolve_mask(cfg.slim, self.model.cfg.n_layers), cfg.slim_mode)
-            eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
-            self.engine = Engine(self.model, drafters=drafters, policy=policy, slim=slim, max_batch=cfg.max_batch,
-                                 max_len=max_len, num_draft_tokens=cfg.num_draft_tokens if drafters else 0,
-                                 cache_draft_tokens=cfg.cache_draft_tokens, eos_token_ids=eos,
-                                 detokenize=lambda t: self.tok.decode(t, skip_special_tokens=True))
+            self.engine = build_engine(cfg.engine_spec(), self.model, self.tok, suffix_cache=self._suffix_cache(cfg))
         try:
             self.metrics: _Metrics | None = _Metrics()
         except Exception:  # noqa: BLE001 - metrics must never keep a replica from serving
@@ -275,39 +263,20 @@ class ModelReplica:
         logger.info("ModelReplica ready: model=%s dtype=%s drafter=%s max_batch=%d max_len=%d threads=%d",
                     cfg.model, cfg.dtype, cfg.drafter, cfg.max_batch, self.engine.max_len, torch.get_num_threads())
 
-    def _drafters(self, cfg: ServingConfig, max_len: int) -> tuple[list, object]:
-        """The engine's drafters and policy; the suffix drafter is the shared actor's proxy when
-        ``suffix_actor`` is set."""
-        cache = None
-        if cfg.suffix_actor and cfg.drafter in ("suffix", "hvd"):
-            from ..selection.hvd import suffix_config
-            from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
+    @staticmethod
+    def _suffix_cache(cfg: ServingConfig):
+        """The shared suffix actor's proxy for the engine's suffix drafter (None: an in-process one).
+        The actor warms its own trees with ``suffix_history``; the engine builder warms a mirror's."""
+        if not (cfg.suffix_actor and cfg.drafter in ("suffix", "hvd")):
+            return None
+        from ..selection.hvd import suffix_config
+        from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
 
-            conf = suffix_config(cfg.policy if cfg.drafter == "hvd" else "none")
-            actor = service_actor(cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history)
-            mirror = cfg.suffix_actor_mode == "mirror"
-            cache = MirroredSuffixDrafter(actor, conf) if mirror else RemoteSuffixDrafter(actor, config=conf)
-        drafters, policy = self._build_drafters(cfg, max_len, cache)
-        if cfg.suffix_history:  # in-process trees (mirror, or no actor); the actor warms its own
-            from ..traces.history import past_outputs, warm_global_tree
-
-            warm_global_tree(drafters, past_outputs(cfg.suffix_history))
-        return drafters, policy
-
-    def _build_drafters(self, cfg: ServingConfig, max_len: int, cache) -> tuple[list, object]:
-        from ..drafters import make_drafter
-
-        if cfg.drafter == "hvd":
-            from ..selection.hvd import build_hvd
-
-            return build_hvd(self.model, self.tok, policy=cfg.policy, predictor=cfg.predictor,
-                             model_drafter=cfg.model_drafter, eagle3_head=cfg.eagle3_head,
-                             draft_model=cfg.draft_model, slots=cfg.max_batch, max_len=max_len, cache=cache)
-        if cache is not None:
-            return [cache], None
-        drafter = make_drafter(cfg.drafter, self.model, draft_model=cfg.draft_model, eagle3_head=cfg.eagle3_head,
-                               skip=cfg.layerskip, slots=cfg.max_batch, max_len=max_len)
-        return ([drafter] if drafter else []), None
+        conf = suffix_config(cfg.policy if cfg.drafter == "hvd" else "none")
+        actor = service_actor(cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history)
+        if cfg.suffix_actor_mode == "mirror":
+            return MirroredSuffixDrafter(actor, conf)
+        return RemoteSuffixDrafter(actor, config=conf)
 
     # ---- Serve hooks
     def check_health(self) -> None:

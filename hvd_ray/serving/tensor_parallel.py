@@ -25,13 +25,14 @@ import os
 import secrets
 import socket
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, Sequence
 
 import ray
 
+from ..build import EngineSpec
 from ..engine.engine import Engine, StepOutput, check_fits
 from ..engine.request import Request, SamplingParams
 
@@ -45,13 +46,7 @@ class TPEngineSpec:
     model: str = "default"
     dtype: str = "bfloat16"
     device: str = "cpu"
-    drafter: str = "none"
-    draft_model: str | None = None
-    eagle3_head: str | None = None
-    layerskip: str | None = None
-    max_batch: int = 4
-    max_len: int = 2048  # capped by the model's context
-    num_draft_tokens: int = 8
+    engine: EngineSpec = field(default_factory=EngineSpec)  # its max_len is capped by the model's context
     torch_threads: int | None = None  # per rank (default: the rank's CPU reservation)
     timeout_s: float = 300.0  # a collective waiting longer than this fails (a dead peer) instead of hanging
 
@@ -89,8 +84,7 @@ class TPWorker:
         import torch
         import torch.distributed as dist
 
-        from ..drafters import make_drafter
-        from ..engine import Engine
+        from ..build import build_engine
         from ..model import parse_device, parse_dtype, resolve
         from ..model.tp import apply_tensor_parallel
         from ..model.transformer import Transformer
@@ -111,15 +105,7 @@ class TPWorker:
         if device.type != "cpu":
             model = model.to(device)
             model.pack_weights()
-        tok = load_tokenizer(folder)
-        max_len = min(spec.max_len, model.cfg.max_position)
-        drafter = make_drafter(spec.drafter, model, draft_model=spec.draft_model, eagle3_head=spec.eagle3_head,
-                               skip=spec.layerskip, slots=spec.max_batch, max_len=max_len)
-        eos = [tok.eos_token_id] if tok is not None and tok.eos_token_id is not None else []
-        detok = (lambda t: tok.decode(t, skip_special_tokens=True)) if tok is not None else None
-        self.engine = Engine(model, drafters=[drafter] if drafter else [], max_batch=spec.max_batch,
-                             max_len=max_len, num_draft_tokens=spec.num_draft_tokens if drafter else 0,
-                             eos_token_ids=eos, detokenize=detok)
+        self.engine = build_engine(spec.engine, model, load_tokenizer(folder))
         return {"max_len": self.engine.max_len, "num_draft_tokens": self.engine.num_draft_tokens,
                 "slots": model.cache.slots, "kv_heads": model.cache.k[0].shape[1], "threads": torch.get_num_threads()}
 
@@ -185,6 +171,9 @@ class TensorParallelEngine:
         from ..model.tp import check_tp_size
         from ..model.transformer import load_hf_config
 
+        if spec.engine.drafter == "hvd" or spec.engine.slim:  # each rank would decide from its own timings
+            raise ValueError("tensor parallelism supports drafter none | suffix | eagle3 | layerskip | draft-model, "
+                             "without a slim tier")
         folder = resolve(spec.model)
         cfg = load_hf_config(folder)
         check_tp_size(cfg, world_size)  # a clear error before any actor starts
@@ -234,10 +223,8 @@ class TensorParallelEngine:
     @classmethod
     def from_serving_config(cls, cfg) -> "TensorParallelEngine":
         """Build from a :class:`~hvd_ray.serving.config.ServingConfig` with ``tensor_parallel_size > 1``."""
-        spec = TPEngineSpec(model=cfg.model, dtype=cfg.dtype, device=cfg.device, drafter=cfg.drafter,
-                            draft_model=cfg.draft_model, eagle3_head=cfg.eagle3_head, layerskip=cfg.layerskip,
-                            max_batch=cfg.max_batch, max_len=cfg.max_model_len,
-                            num_draft_tokens=cfg.num_draft_tokens, torch_threads=cfg.torch_threads)
+        spec = TPEngineSpec(model=cfg.model, dtype=cfg.dtype, device=cfg.device, engine=cfg.engine_spec(),
+                            torch_threads=cfg.torch_threads)
         return cls(spec, cfg.tensor_parallel_size, rank_options=cfg.tp_ray_actor_options)
 
     # ------------------------------------------------------------------------------ requests
