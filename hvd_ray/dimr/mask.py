@@ -237,6 +237,7 @@ def resolve_mask(mask: "str | Path | SlimMask | Sequence[SubLayer] | None", n_la
     ``mask.json`` or shipped name, checksum-verified by ``load_mask``); or a skip spec
     (``"attn:10-17,mlp:20"``). Here, not in ``verification``: the names need the drafters and DIMR."""
     from ..drafters.layerskip import default_skip, parse_skip
+    from ..verification.tiered import check_mask
 
     if mask is None or (isinstance(mask, str) and mask == "default"):
         skip = _shipped(n_layers) or default_skip(n_layers)
@@ -247,15 +248,8 @@ def resolve_mask(mask: "str | Path | SlimMask | Sequence[SubLayer] | None", n_la
         if skip is None:
             skip = parse_skip(str(mask))
     else:
-        skip = [(int(i), str(k)) for i, k in getattr(mask, "skip", mask)]
-    bad = [s for s in skip if not 0 <= s[0] < n_layers or s[1] not in SUBS]
-    if bad:
-        raise ValueError(f"invalid slim-verifier sub-layers {bad} for a {n_layers}-layer model")
-    if any(i == 0 for i, _ in skip):
-        raise ValueError("the slim verifier always keeps layer 0 (its K/V anchor every position)")
-    if not skip:
-        raise ValueError("an empty slim mask is the full model: use no slim tier instead")
-    return sorted(set(skip))
+        skip = list(getattr(mask, "skip", mask))
+    return check_mask(skip, n_layers)
 
 
 def describe_mask(mask: "str | Path | SlimMask | Sequence[SubLayer] | None", n_layers: int) -> str:

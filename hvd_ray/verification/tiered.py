@@ -103,15 +103,22 @@ class SlimTier:
         if isinstance(self.mask, (str, Path)) or self.mask is None:
             raise ValueError(f"SlimTier needs a resolved mask, got {self.mask!r}: "
                              "pass it through hvd_ray.dimr.resolve_mask(mask, n_layers)")
-        skip = [(int(i), str(k)) for i, k in self.mask]
-        bad = [x for x in skip if x[0] < 0 or x[1] not in ("attn", "mlp")]
-        if bad:
-            raise ValueError(f"invalid slim-verifier sub-layers {bad}; expected (layer, 'attn'|'mlp')")
-        if any(i == 0 for i, _ in skip):
-            raise ValueError("the slim verifier always keeps layer 0 (its K/V anchor every position)")
-        if not skip:
-            raise ValueError("an empty slim mask is the full model: use no slim tier instead")
-        self.mask = sorted(set(skip))
+        self.mask = check_mask(self.mask)
+
+
+def check_mask(mask: Sequence[SubLayer], n_layers: int | None = None) -> list[SubLayer]:
+    """A slim mask as a sorted list of ``(layer, "attn"|"mlp")``, or ValueError: every layer
+    exists (below ``n_layers`` when given), layer 0 is kept, something is skipped."""
+    skip = [(int(i), str(k)) for i, k in mask]
+    bad = [x for x in skip if x[0] < 0 or (n_layers is not None and x[0] >= n_layers) or x[1] not in ("attn", "mlp")]
+    if bad:
+        model = f"a {n_layers}-layer model" if n_layers is not None else "(layer, 'attn'|'mlp')"
+        raise ValueError(f"invalid slim-verifier sub-layers {bad} for {model}")
+    if any(i == 0 for i, _ in skip):
+        raise ValueError("the slim verifier always keeps layer 0 (its K/V anchor every position)")
+    if not skip:
+        raise ValueError("an empty slim mask is the full model: use no slim tier instead")
+    return sorted(set(skip))
 
 
 # ------------------------------------------------------------------------------- decisions
