@@ -384,7 +384,9 @@ class Engine:
             return []
         cache, dev = self.model.cache, self.model.device
         B = len(reqs)
-        lags = [r.tokens[r.full_len: cache.lengths[r.slot]] for r in reqs]
+        # (tokens copies prompt + output: only rows that lag pay for it)
+        lags = [r.tokens[r.full_len: cache.lengths[r.slot]] if r.full_len < cache.lengths[r.slot] else []
+                for r in reqs]
         for r in reqs:
             cache.truncate(r.slot, r.full_len)
         rows = [lag + [r.pending] + d.token_ids for r, lag, d in zip(reqs, lags, drafts)]

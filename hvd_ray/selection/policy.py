@@ -19,6 +19,7 @@ Choices are ``"cache"`` (verify the suffix draft), ``"model"`` (ask the model dr
 from __future__ import annotations
 
 import abc
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -463,7 +464,8 @@ class CostPolicy(Policy):
             while len(self._shadow) > 4096:  # finished requests age out
                 self._shadow.popitem(last=False)
         out = self._choice(choice, y, long, view.take)
-        out.gains = self.gains(choice, view, y, key, m)
+        if view.batch > 1:  # a lone request's draft is already sized (view.take)
+            out.gains = self.gains(choice, view, y, key, m)
         return out
 
     def gains(self, choice: str, view: StepView, y: float, key: str | None, model_accept: float) -> list[float]:
@@ -472,6 +474,10 @@ class CostPolicy(Policy):
         if choice == CACHE:
             y = max(y, 0.0) * self.cache_scale.get(key, 1.0)
             take = view.take if view.take is not None else max(view.cache_long, view.cache_len)
+            if view.cache_probs and self.uses_tree(key):  # tree_yield at every length, one pass
+                r = self.tree_scale.get(key, 1.0)
+                mass = [0.0, *itertools.accumulate(float(p) for p in view.cache_probs[:take])]
+                return [min(float(j), r * mass[min(j, len(mass) - 1)]) for j in range(take + 1)]
             return [self.cache_yield(y, view, j, key) for j in range(take + 1)]
         if choice == MODEL and self.model is not None:
             return [min(model_accept, float(j)) for j in range(view.model_len + 1)]
