@@ -108,11 +108,6 @@ def _tp_model_info(args: argparse.Namespace):
     from .model.transformer import load_hf_config
     from .serving.tensor_parallel import load_tokenizer
 
-    if args.drafter == "hvd":
-        raise ValueError("--tensor-parallel-size > 1 supports --drafter none | suffix | eagle3 | layerskip | "
-                         "draft-model (not hvd)")
-    if getattr(args, "slim", None):
-        raise ValueError("--slim is not supported with --tensor-parallel-size > 1")
     folder = resolve(args.model)
     cfg = load_hf_config(folder)
     check_tp_size(cfg, args.tensor_parallel_size)  # before Ray starts

@@ -65,6 +65,9 @@ def test_serving_config_maps_to_the_spec():
         spec = cfg.engine_spec()
         for f in dataclasses.fields(EngineSpec):
             assert getattr(spec, f.name) == getattr(cfg, "max_model_len" if f.name == "max_len" else f.name), f.name
+    for f in dataclasses.fields(EngineSpec):  # declared once: the config's help is the spec's
+        name = "max_model_len" if f.name == "max_len" else f.name
+        assert ServingConfig.model_fields[name].description == f.metadata["help"], name
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +111,6 @@ def test_build_engine_rejects_bad_input(tiny):
         build_engine(EngineSpec(drafter="layerskip", max_len=64), tiny, None, suffix_cache=SuffixDrafter())
     with pytest.raises(ValueError, match="needs its drafters"):
         build_engine(EngineSpec(max_len=64), tiny, None, policy=object())
-
-    from hvd_ray.serving.tensor_parallel import TensorParallelEngine, TPEngineSpec
-
-    for spec in (EngineSpec(drafter="hvd"), EngineSpec(slim="default")):  # refused before Ray is asked
-        with pytest.raises(ValueError, match="tensor parallelism supports"):
-            TensorParallelEngine(TPEngineSpec(model="default", engine=spec), 2)
 
 
 def test_build_engine_hvd_on_the_default_model(target):

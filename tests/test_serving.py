@@ -518,7 +518,7 @@ def test_config_and_builder():
     import serve_app
     from hvd_ray.serving import ServingConfig
 
-    for bad in ({"tensor_parallel_size": 2}, {"drafter": "magic"}, {"max_tokens": 4096, "max_model_len": 2048},
+    for bad in ({"tensor_parallel_size": 0}, {"drafter": "magic"}, {"max_tokens": 4096, "max_model_len": 2048},
                 {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, {"dtype": "int3"},
                 {"slim": "default", "slim_mode": "sometimes"}, {"policy": "coin-flip"},
                 {"model": "/some/other/model", "drafter": "hvd"}):

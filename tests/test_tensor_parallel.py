@@ -136,8 +136,9 @@ def test_tp2_greedy_and_logits_match_tp1(ray_local, tiny_llama):
 
 def test_replica_tp2_default_model_matches_tp1(ray_local, default_folder):
     """The real default model (3 KV heads -> 2 + 1 per rank) through ModelReplica, fp32 greedy with
-    the suffix drafter on every rank, against TP=1 plain greedy: sharding and speculation together
-    must change nothing."""
+    HVD (suffix cache + EAGLE-3 head, the cost policy pricing steps with rank 0's timings) and the
+    shipped slim tier on every rank, against TP=1 plain greedy: sharding, speculation and the slim
+    pass together must change nothing."""
     from transformers import AutoTokenizer
 
     from hvd_ray.serving.replica import ModelReplica
@@ -152,7 +153,7 @@ def test_replica_tp2_default_model_matches_tp1(ray_local, default_folder):
             for r in ref.generate(ids, SamplingParams(max_tokens=24))]
     del model, ref
 
-    config = {"model": "default", "dtype": "float32", "drafter": "suffix", "max_batch": 2, "max_model_len": 256,
+    config = {"model": "default", "dtype": "float32", "drafter": "hvd", "slim": "default", "max_batch": 2, "max_model_len": 256,
               "max_tokens": 64, "torch_threads": 1, "tensor_parallel_size": 2,
               "tp_ray_actor_options": {"num_cpus": 1}}
     replica = ModelReplica.func_or_class(config)
@@ -175,7 +176,8 @@ def test_replica_tp2_default_model_matches_tp1(ray_local, default_folder):
         results = asyncio.run(both())
         assert [t for t, _ in results] == want
         assert all(ev["type"] == "finish" and ev["stats"]["target_forwards"] > 0 for _, ev in results)
-        assert sum(ev["stats"]["drafted"] for _, ev in results) > 0  # the drafter really drafted
+        assert sum(ev["stats"]["drafted"] for _, ev in results) > 0  # the drafters really drafted
+        assert sum(ev["stats"]["slim_forwards"] for _, ev in results) > 0  # and the slim tier ran
         assert replica.stats()["finished"] == 2
     finally:
         replica.loop.shutdown()

@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from ..model.tp import rank0_values
+
 WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -108,6 +110,7 @@ def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 3) ->
                 raw[k] = ts[len(ts) // 2]
     finally:
         model.cache = saved
+    raw = dict(zip(raw, rank0_values(model, list(raw.values()))))  # one table on every TP rank
     one = raw[min(widths)]
     # costs never fall with width (timing noise can make them): a running maximum
     table, top = {}, 0.0

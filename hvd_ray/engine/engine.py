@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..drafters.base import Draft, Drafter, DraftRequest
+from ..model.tp import rank0_values
 from ..model.transformer import Transformer
 from ..verification import (greedy_walk, rejection_sample_chain, rejection_sample_tree, target_probs,
                             tree_attention_mask)
@@ -307,6 +308,9 @@ class Engine:
         full = [b for b in range(B) if b not in settled]
         verified = dict(zip(full, self._verify_full([reqs[b] for b in full], [drafts[b] for b in full])))
         t2 = time.perf_counter()
+        draft_s, verify_s = t1 - t0, t2 - t1
+        if self.policy is not None:  # the policy learns from these: every TP rank must see the same
+            draft_s, verify_s = rank0_values(self.model, [draft_s, verify_s])
         results = []
         for b, (req, d) in enumerate(zip(reqs, drafts)):
             if req.finished:  # its verification failed (``_fail``); released by ``step``
@@ -318,7 +322,7 @@ class Engine:
                 path, nxt = verified[b]
                 emitted, accepted = [d.token_ids[i] for i in path] + [nxt], len(path)
             req.stats.steps.append(StepRecord(
-                d.source or "none", len(d), accepted, (t1 - t0) / B, (t2 - t1) / B, predicted[b],
+                d.source or "none", len(d), accepted, draft_s / B, verify_s / B, predicted[b],
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
                 full_forward=b not in settled))
             try:

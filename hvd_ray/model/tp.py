@@ -5,7 +5,9 @@ the matching input columns of the attention output projection (row-parallel), a 
 intermediate (gate/up rows: column-parallel; down columns: row-parallel), and sums the two
 row-parallel outputs of every block with one all-reduce each. Embeddings, norms and the LM head
 stay replicated, so every rank ends a forward with the same hidden states and logits; that is what
-lets the serving engine run SPMD (every rank makes the same decisions) with no extra broadcast.
+lets the serving engine run SPMD (every rank makes the same decisions). The one input that differs
+between ranks is the clock: decisions priced from measured times (the cost policy) take rank 0's
+measurements on every rank (:func:`rank0_values`), a broadcast of a few floats.
 
 Sharding by KV-head group keeps grouped-query attention local to a rank. Uneven splits are allowed
 (SmolLM2-135M's 3 KV heads over 2 ranks -> 2 + 1), so any size up to the KV-head count works.
@@ -95,3 +97,15 @@ def apply_tensor_parallel(model: Transformer, rank: int, world_size: int, group=
         model.setup_cache(model.cache.slots, model.cache.max_len, model.cache.k[0].dtype)
     model.pack_weights()
     return model
+
+
+def rank0_values(model: Transformer, values: list[float]) -> list[float]:
+    """Rank 0's ``values`` on every rank of ``model``'s tensor-parallel group (``values`` itself on
+    an unsharded model). Timings differ between ranks; anything decided from them must not."""
+    if getattr(model, "tp_size", 1) == 1:
+        return values
+    group = model.layers[0].attn.tp_group
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+    return t.tolist()

@@ -17,6 +17,13 @@ from ..drafters import DRAFTERS
 from ..model.registry import ALIASES
 
 
+def _spec(name: str, default: Any = ..., **constraints: Any) -> Any:
+    """A config field for the engine option ``name``: its help text (and default, unless serving
+    has its own) come from :class:`~hvd_ray.build.EngineSpec`, where the option is declared once."""
+    f = EngineSpec.__dataclass_fields__[name]
+    return Field(f.default if default is ... else default, description=f.metadata["help"], **constraints)
+
+
 class ServingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -25,35 +32,30 @@ class ServingConfig(BaseModel):
     served_model_name: str | None = Field(None, description="the id clients send as `model` (default: `model`)")
     dtype: str = "bfloat16"
     device: str = "cpu"
-    drafter: str = Field("hvd", description="hvd (suffix cache + model drafter, picked per step by `policy`) | "
-                         "suffix | eagle3 | layerskip | draft-model | none")
-    num_draft_tokens: int = Field(8, ge=0, le=64, description="draft budget of model drafters per step")
-    cache_draft_tokens: int = Field(64, ge=0, le=256, description="draft budget of the suffix cache per step "
-                                    "(its drafts follow its match, as in SuffixDecoding)")
-    draft_model: str | None = None
-    eagle3_head: str | None = None
-    layerskip: str | None = Field(None, description="skip spec for --drafter layerskip (default: the drafter's)")
+    drafter: str = _spec("drafter", "hvd")
+    num_draft_tokens: int = _spec("num_draft_tokens", ge=0, le=64)
+    cache_draft_tokens: int = _spec("cache_draft_tokens", 64, ge=0, le=256)
+    draft_model: str | None = _spec("draft_model")
+    eagle3_head: str | None = _spec("eagle3_head")
+    layerskip: str | None = _spec("layerskip")
     # HVD (drafter: hvd): the suffix cache + a model drafter, chosen per step by a policy
-    policy: str = Field("cost", description="HVD selection policy: tau | cost | score | always-cache | always-model")
-    model_drafter: str = Field("eagle3", description="HVD's model drafter: eagle3 | layerskip | draft-model | none")
-    predictor: str | None = Field(None, description="HVD yield-predictor artifact folder (default: the shipped one)")
-    slim: str | None = Field(None, description="VIA-SD slim-verifier tier: 'default' (the shipped DIMR mask), a skip "
-                             "spec like attn:10-17,mlp:20, or a mask artifact; null = two tiers")
-    slim_mode: str = Field("lossless", pattern="^(lossless|tiered)$",
-                           description="lossless (the target verifies everything) | tiered (lossy VIA-SD)")
+    policy: str = _spec("policy")
+    model_drafter: str = _spec("model_drafter")
+    predictor: str | None = _spec("predictor")
+    slim: str | None = _spec("slim")
+    slim_mode: str = _spec("slim_mode", pattern="^(lossless|tiered)$")
     suffix_actor: bool = Field(True, description="suffix trees live in a shared CPU actor (serving/suffix_actor.py) "
                                "instead of inside each replica")
     suffix_actor_mode: str = Field("mirror", pattern="^(mirror|remote)$",
                                    description="mirror: draft from local trees, exchange finished outputs with the "
                                    "actor in the background | remote: the actor holds the request trees and "
                                    "drafts for the whole batch once per step")
-    suffix_history: str | None = Field(None, description="a collect_traces folder: its train-split outputs start "
-                                       "the suffix drafter's global tree (local trees and the shared actor's)")
+    suffix_history: str | None = _spec("suffix_history")
     suffix_actor_name: str = Field("hvd-suffix-drafter", description="name of that actor (one per application)")
 
     # --- engine limits
-    max_batch: int = Field(4, ge=1, le=256, description="KV-cache slots = requests decoded together")
-    max_model_len: int = Field(2048, ge=16, description="context per request (prompt + output); capped by the model")
+    max_batch: int = _spec("max_batch", 4, ge=1, le=256)
+    max_model_len: int = _spec("max_len", ge=16)
     max_tokens: int = Field(1024, ge=1, description="the largest `max_tokens` a request may ask for (and the default)")
     torch_threads: int | None = Field(2, ge=1, description="torch threads per replica (capped by the core count)")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is sharded over (rank actors in a "
@@ -117,20 +119,12 @@ class ServingConfig(BaseModel):
                 self.model.lower() not in ALIASES and not self.eagle3_head:
             raise ValueError("the shipped EAGLE-3 head fits the default model only: set eagle3_head, or "
                              "model_drafter: layerskip, or drafter: suffix")
-        if self.tensor_parallel_size > 1 and self.slim:
-            raise ValueError("slim is not supported with tensor_parallel_size > 1")
-        if self.tensor_parallel_size > 1 and self.drafter == "hvd":
-            raise ValueError("drafter 'hvd' is not supported with tensor_parallel_size > 1 (its cost policy reads "
-                             "timings, which would differ between ranks)")
         return self
 
     def engine_spec(self) -> EngineSpec:
         """What the replica's engine decodes with (``hvd_ray.build``), from this config's fields."""
-        return EngineSpec(drafter=self.drafter, policy=self.policy, model_drafter=self.model_drafter,
-                          predictor=self.predictor, eagle3_head=self.eagle3_head, draft_model=self.draft_model,
-                          layerskip=self.layerskip, slim=self.slim, slim_mode=self.slim_mode,
-                          num_draft_tokens=self.num_draft_tokens, cache_draft_tokens=self.cache_draft_tokens,
-                          max_batch=self.max_batch, max_len=self.max_model_len, suffix_history=self.suffix_history)
+        given = {name: getattr(self, name) for name in EngineSpec.__dataclass_fields__ if name in type(self).model_fields}
+        return EngineSpec(**given, max_len=self.max_model_len)
 
     def resolved_api_key(self) -> str | None:
         """The key requests must carry: ``api_key``, else the env ``HVD_RAY_API_KEY`` of the process

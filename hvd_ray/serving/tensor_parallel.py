@@ -7,8 +7,8 @@ drafter. The driver (:class:`TensorParallelEngine`) then sends every rank the id
 list once per step: the requests added and aborted since the last step, then ``step()``. The ranks
 stay in lockstep without exchanging any decisions, because everything an engine decides from is
 identical on every rank: the all-reduced hidden states (hence the replicated LM head's logits),
-greedy argmax, seeded samplers (the driver fixes a seed for requests that have none) and the
-drafters' state. Only rank 0's outputs are returned; one Ray round trip per rank per step.
+greedy argmax, seeded samplers (the driver fixes a seed for requests that have none), the
+drafters' state and, for the cost policy, rank 0's timings (``model.tp.rank0_values``). Only rank 0's outputs are returned; one Ray round trip per rank per step.
 
 :class:`TensorParallelEngine` has the ``Engine`` surface the serving replica's ``EngineLoop``
 uses (``add_request``, ``abort``, ``step``, ``has_unfinished``, ``waiting``, ``running``,
@@ -171,9 +171,6 @@ class TensorParallelEngine:
         from ..model.tp import check_tp_size
         from ..model.transformer import load_hf_config
 
-        if spec.engine.drafter == "hvd" or spec.engine.slim:  # each rank would decide from its own timings
-            raise ValueError("tensor parallelism supports drafter none | suffix | eagle3 | layerskip | draft-model, "
-                             "without a slim tier")
         folder = resolve(spec.model)
         cfg = load_hf_config(folder)
         check_tp_size(cfg, world_size)  # a clear error before any actor starts
