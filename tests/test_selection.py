@@ -360,10 +360,30 @@ def test_cost_policy_relearns_the_cache_from_steps_that_did_not_verify_it():
     truth = [7, 8, 9]
     for step in range(6):
         n0 = len(req.output)
-        pol._shadow["r"] = (Draft.chain([7, 8, 9, 10]), 1.0, "suffix-global", n0, None, 4)
+        pol._shadow.setdefault("r", []).append((Draft.chain([7, 8, 9, 10]), 1.0, "suffix-global", n0, None, 4, 4))
         req.output += truth  # the model drafter's step emitted 2 accepted + 1 bonus, all as cached
         pol.shadow(req, StepRecord("eagle3", 5, 2, 0.001, 0.01))
     assert pol.cache_scale["suffix-global"] > 2.0  # 3 matched where 1 was predicted
+
+
+def test_cost_policy_scores_a_cache_draft_over_its_whole_length():
+    """A 12-token cache draft whose first 5 tokens are right, next to model steps that emit 3 tokens
+    each: the tree's scale learns 5 accepted over the whole draft's probability mass once the
+    output leaves the draft, not 3 of 3 after the first step (which made a batch's 9-token caps
+    promise twice what they delivered)."""
+    from hvd_ray.drafters.base import Draft
+    from hvd_ray.engine.request import Request, SamplingParams, StepRecord
+
+    pol = CostPolicy(constant_predictor(1.0), model=_Eagle(), adapt=1.0)
+    req = Request("r", [1, 2, 3], SamplingParams())
+    pol._shadow["r"] = [(Draft.chain(range(100, 112), [0.9] * 12), 1.0, "suffix-global", 0, None, 12, 12)]
+    truth = [100, 101, 102, 103, 104, 0, 0, 0, 0]
+    req.output += truth[:3]
+    pol.shadow(req, StepRecord("eagle3", 2, 2, 0.001, 0.01))
+    assert "suffix-global" not in pol.tree_scale and len(pol._shadow["r"]) == 1  # waits: 3 of 3 so far
+    req.output += truth[3:6]
+    pol.shadow(req, StepRecord("eagle3", 2, 2, 0.001, 0.01))
+    assert pol.tree_scale["suffix-global"] == pytest.approx(5 / (0.9 * 12)) and not pol._shadow["r"]
 
 
 @pytest.mark.parametrize("report", ["all_positions", "response_only", "none"])
@@ -423,7 +443,7 @@ def test_cost_policy_reaches_past_the_match_at_the_start_of_a_repeat():
     plain = SuffixDrafter()
     base = repeat(plain, AlwaysCache(plain, None, flags))
     assert steps[0].source.startswith("suffix") and steps[0].drafted > base[0].drafted
-    assert len(steps) < len(base)
+    assert len(steps) <= len(base)  # 45 tokens: 6 steps each (9 + 19 + ... against 1 + 3 + 7 + ...)
 
     cache.begin("probe", prompt + want[:1])  # one output token: the match is short, the draft is not
     long = cache.speculate("probe", 64)

@@ -29,6 +29,7 @@ import numpy as np
 from ..drafters.base import Draft
 from ..engine.costs import StepCosts, interpolate
 from ..engine.engine import Choice
+from ..verification.tree import tree_depths
 from .features import VocabFlags, features, history_from_steps, with_history
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,6 +49,7 @@ LAYERSKIP_TOKEN_COST = 0.86
 # the cache drafter's own length (SuffixDecoding: up to 64 tokens, by match length).
 CONFIDENT = 0.75
 LONG_MATCH = 16  # cache drafts from matches at least this long are calibrated apart (repeats)
+SHADOW_WAIT = 8  # cache drafts per request waiting for the output to cover them (CostPolicy.shadow)
 
 
 @dataclass
@@ -281,8 +283,9 @@ class CostPolicy(Policy):
         self._cache_sums: dict[str, list[float]] = {}
         self._tree_sums: dict[str, list[float]] = {}
         self._errors: dict[str, list[float]] = {}  # EMA squared error of [predictor, tree]
-        # the cache draft each live request's last decision saw: (draft, ŷ, key, output length, take)
-        self._shadow: OrderedDict[str, tuple] = OrderedDict()
+        # the cache drafts of a live request's recent decisions, waiting to be scored (``shadow``):
+        # (draft, ŷ, key, output length then, take, nominal length, depth)
+        self._shadow: OrderedDict[str, list[tuple]] = OrderedDict()
         self.model_len_seen: float | None = None  # measured mean model-draft length
         self.model_draft_cost: float | None = None  # measured drafting time per model draft, in forwards
         self.forward_s: float | None = None  # measured time of a one-token target forward
@@ -402,24 +405,32 @@ class CostPolicy(Policy):
             self.cache_scale[key] = min(16.0, max(0.1, sums[0] / sums[1]))
 
     def shadow(self, req: "Request", rec) -> None:
-        """Score the cache draft the last decision saw against what the step emitted (see the class
-        docstring): the verified tokens on a cache step, a shadow label on any other."""
-        seen = self._shadow.pop(req.req_id, None)
-        if seen is None or rec is None:
+        """Score the cache drafts earlier decisions saw against the tokens emitted since (see the
+        class docstring): the verified tokens on a cache step, a shadow label on any other. A draft
+        is scored over its whole length once the output leaves it or covers it, and waits until then
+        (at most ``SHADOW_WAIT`` per request; older ones are scored on what was emitted): scored on
+        the one or two tokens a model step emits, where tree probabilities are near 1, the tree's
+        scale would overrate long drafts, and a batch's drafts are cut by exactly that estimate."""
+        pending = self._shadow.get(req.req_id)
+        if not pending or rec is None:
             return
-        draft, y, key, n0, take, L0 = seen
-        emitted = req.output[n0:]
-        if rec.source.startswith("suffix"):
-            got, window = rec.accepted, rec.drafted
-            if got == window and len(draft) > window and len(emitted) > window:  # the bonus token too
-                got += int(draft.token_ids[window] == emitted[window])
-                window += 1
-        else:
-            got, window = matched(draft, emitted), min(len(draft), len(emitted))
-        if window > 0:
-            w0 = min(window, L0)
-            self.learn_cache(key, float(got), min(max(y, 0.0), float(w0)), float(sum(draft.probs[:window])),
-                             nominal=(float(min(got, w0)), float(sum(draft.probs[:w0]))))
+        waiting = []
+        for i, seen in enumerate(reversed(pending)):  # newest first: the oldest are cut at the limit
+            draft, y, key, n0, take, L0, depth = seen
+            emitted = req.output[n0:]
+            got = matched(draft, emitted)
+            if got < len(emitted) or len(emitted) >= depth:  # left it or covered it: score it whole
+                window = len(draft)
+            elif i < SHADOW_WAIT:
+                waiting.append(seen)
+                continue
+            else:
+                window = min(len(draft), len(emitted))
+            if window > 0:
+                w0 = min(window, L0)
+                self.learn_cache(key, float(got), min(max(y, 0.0), float(w0)), float(sum(draft.probs[:window])),
+                                 nominal=(float(min(got, w0)), float(sum(draft.probs[:w0]))))
+        self._shadow[req.req_id] = waiting[::-1]
 
     def decide(self, view, tree: str | None = None, model_accept: float | None = None,
                model_len: float | None = None):
@@ -460,8 +471,10 @@ class CostPolicy(Policy):
             est = self.cache_yield(max(y, 0.0) * self.cache_scale.get(key, 1.0), view, view.cache_len, key)
             self.audit.append((req.req_id, len(req.output), y, est, view.cache_len, long))
         if len(long):
-            self._shadow[req.req_id] = (long, y, key, len(req.output), view.take, view.cache_len)
-            while len(self._shadow) > 4096:  # finished requests age out
+            self._shadow.setdefault(req.req_id, []).append(
+                (long, y, key, len(req.output), view.take, view.cache_len, max(tree_depths(long.parents))))
+            self._shadow.move_to_end(req.req_id)
+            while len(self._shadow) > 1024:  # finished requests age out
                 self._shadow.popitem(last=False)
         out = self._choice(choice, y, long, view.take)
         if view.batch > 1:  # a lone request's draft is already sized (view.take)
