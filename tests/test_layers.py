@@ -21,9 +21,10 @@ LAYERS = {
     "verification": 3,
     "engine": 4,
     "selection": 5,
-    "traces": 6, "dimr": 6, "bench": 6,
+    "traces": 6, "dimr": 6,
     "build": 7,  # the one builder of an Engine with drafters / a policy / a slim tier (selection, dimr, traces)
     "serving": 7, "cli": 7, "__main__": 7, "hvd_ray": 7,
+    "bench": 8,  # measurement: builds methods' engines (build) and serves the app (serving) to time them
     "kernels.check_gpu": 7,  # a script: it checks the kernels against the engine's functions
 }
 
