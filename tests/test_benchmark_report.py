@@ -144,7 +144,7 @@ def test_spec_on_a_user_prompt_file(tmp_path):
     assert "| chat |" not in md  # only the file: no --workloads given
     assert '"my-agent/suffix"' in md  # raw figures keyed by the file's label
 
-    from benchmark import user_workloads  # what the CLI checks, before any model loads
+    from hvd_ray.bench.prompts import user_workloads  # what the CLI checks, before any model loads
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
