@@ -42,9 +42,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from hvd_ray.traces.collect import (  # noqa: E402
     _ENGINE_HEADROOM, BACKENDS, CollectError, TraceActor, TraceWriter, canonical_dtype, eos_token_ids,

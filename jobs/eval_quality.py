@@ -6,18 +6,7 @@ rejection rate, full-target forwards per 1,000 tokens, slim forwards, tok/s rati
 vs two-tier, agreement with greedy.
 
 Quality (batch 8): greedy vs tiered (lossless is greedy by construction; tests/test_tiered.py
-checks it token for token in fp32) on
-
-* HumanEval pass@1: the completion's ```python block (prefixed with the prompt when it lacks the
-  function, and with the prompt's imports) + the problem's tests run in a subprocess: a fresh temp
-  dir, ``python -I``, a timeout, address-space / CPU limits, and no network (``unshare -rn``, a
-  new user + network namespace with only a downed loopback, when the kernel allows it);
-* BFCL exact match: the ``<tool_call>`` JSON list parsed and compared with the packaged
-  ``possible_answer`` ground truth (same number of calls, matched in any order; same function
-  names; every given argument is a known parameter whose value is one of the accepted values;
-  a missing argument is allowed only when ``""`` is among its accepted values, i.e. optional).
-  Strings are compared case-insensitively after trimming; ints equal floats of the same value.
-  This is our compact re-implementation of BFCL's AST check, not the bfcl-eval checker itself.
+checks it token for token in fp32) on HumanEval pass@1 and BFCL exact match (``hvd_ray.bench.scoring``).
 
     python jobs/eval_quality.py --drafters suffix eagle3 --out benchmarks/via_sd.md
 """
@@ -27,156 +16,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "jobs"))
 
 import torch  # noqa: E402
 
+from hvd_ray.bench.interleave import prefix_agreement  # noqa: E402
+from hvd_ray.bench.machine import machine_line  # noqa: E402
+from hvd_ray.bench.prompts import prompt_ids  # noqa: E402
+from hvd_ray.bench.scoring import NO_NET, bfcl_match, extract_code, parse_tool_calls, run_tests  # noqa: E402
 from hvd_ray.build import EngineSpec, build_engine  # noqa: E402
+from hvd_ray.dimr import describe_mask, resolve_mask  # noqa: E402
 from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
 from hvd_ray.model import load  # noqa: E402
-from hvd_ray.dimr import describe_mask, resolve_mask  # noqa: E402
 from hvd_ray.verification.tiered import SlimTier, TierThresholds  # noqa: E402
 from hvd_ray.workloads import load_workload, render  # noqa: E402
 
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
 
 
-# ------------------------------------------------------------------------------------- HumanEval
-def extract_code(completion: str, prompt: str, entry_point: str) -> str:
-    """The program to test: the completion's first python block (or the whole text), with the
-    prompt's imports, and the prompt itself in front when the block lacks the function."""
-    m = re.search(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", completion, re.S)
-    code = m.group(1) if m else completion
-    if not re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.M):
-        code = prompt + code
-    imports = [ln for ln in prompt.splitlines() if ln.startswith(("import ", "from "))]
-    return "\n".join(imports) + "\n" + code
-
-
-def _limits() -> None:  # runs in the child before exec
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-    resource.setrlimit(resource.RLIMIT_CPU, (10, 10))
-
-
-def run_tests(program: str, timeout: float = 10.0) -> bool:
-    """True when ``program`` exits 0 in an isolated subprocess (see the module docstring)."""
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "prog.py"
-        path.write_text(program)
-        cmd = [sys.executable, "-I", str(path)]
-        if NO_NET:
-            cmd = ["unshare", "-rn"] + cmd
-        try:
-            r = subprocess.run(cmd, cwd=d, capture_output=True, timeout=timeout, preexec_fn=_limits,
-                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
-        except subprocess.TimeoutExpired:
-            return False
-        return r.returncode == 0
-
-
-def _no_net_available() -> bool:
-    if not shutil.which("unshare"):
-        return False
-    return subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0
-
-
-NO_NET = _no_net_available()
-
-
-# ------------------------------------------------------------------------------------------ BFCL
-def parse_tool_calls(text: str) -> list[dict] | None:
-    """``[{"name": ..., "arguments": {...}}, ...]`` from the model's ``<tool_call>`` output, or None."""
-    m = re.search(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S)
-    body = (m.group(1) if m else text).strip()
-    candidates = [body]
-    if "[" in body and "]" in body:
-        candidates.append(body[body.index("["): body.rindex("]") + 1])
-    if "{" in body and "}" in body:
-        candidates.append("[" + body[body.index("{"): body.rindex("}") + 1] + "]")
-    for c in candidates:
-        try:
-            calls = json.loads(c)
-        except json.JSONDecodeError:
-            continue
-        calls = [calls] if isinstance(calls, dict) else calls
-        if not isinstance(calls, list):
-            continue
-        out = []
-        for call in calls:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return None
-            args = call.get("arguments", call.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    return None
-            if not isinstance(args, dict):
-                return None
-            out.append({"name": call["name"], "arguments": args})
-        return out
-    return None
-
-
-def _same(v, a) -> bool:
-    if isinstance(a, bool) or isinstance(v, bool):
-        return v is a if isinstance(a, bool) and isinstance(v, bool) else False
-    if isinstance(a, (int, float)) and isinstance(v, (int, float)):
-        return float(v) == float(a)
-    if isinstance(a, str) and isinstance(v, str):
-        return v.strip().lower() == a.strip().lower()
-    if isinstance(a, list) and isinstance(v, (list, tuple)):
-        return len(a) == len(v) and all(_same(x, y) for x, y in zip(v, a))
-    if isinstance(a, dict) and isinstance(v, dict):  # nested: values are lists of accepted values
-        return _args_ok(v, a)
-    return False
-
-
-def _accepted(v, accepted) -> bool:
-    return any(_same(v, a) for a in (accepted if isinstance(accepted, list) else [accepted]))
-
-
-def _args_ok(args: dict, truth: dict) -> bool:
-    if set(args) - set(truth):
-        return False
-    for name, accepted in truth.items():
-        if name in args:
-            if not _accepted(args[name], accepted):
-                return False
-        elif not (isinstance(accepted, list) and "" in accepted):
-            return False
-    return True
-
-
-def bfcl_match(calls: list[dict] | None, truth: list[dict]) -> bool:
-    """Exact match of parsed calls against BFCL ground truth ``[{func: {param: [accepted...]}}]``."""
-    if calls is None or len(calls) != len(truth):
-        return False
-    left = list(calls)
-    for gt in truth:
-        (fname, params), = gt.items()
-        hit = next((c for c in left if c["name"] == fname and _args_ok(c["arguments"], params)), None)
-        if hit is None:
-            return False
-        left.remove(hit)
-    return True
-
-
-# --------------------------------------------------------------------------------------- methods
 def slim_tier(mode: str, args, n_layers: int) -> SlimTier:
     """``lossless`` | ``tiered`` (the gates given) | ``tiered-strict`` (q' accepts only its own argmax)."""
     if mode == "tiered-strict":
@@ -196,17 +58,7 @@ def make_engine(method: str, model, tok, args, max_batch: int, max_len: int) -> 
     return build_engine(spec, model, tok, slim_tier=slim_tier(mode, args, model.cfg.n_layers) if mode else None)
 
 
-def prefix_agreement(out: list[int], ref: list[int]) -> float:
-    n = 0
-    while n < min(len(out), len(ref)) and out[n] == ref[n]:
-        n += 1
-    return n / max(len(ref), 1)
-
-
-# ----------------------------------------------------------------------------------------- speed
 def bench_speed(model, tok, args) -> tuple[list[str], dict]:
-    from benchmark import prompt_ids
-
     prompts = prompt_ids(tok, args.workloads, args.per_workload, args.max_prompt_tokens)
     max_len = args.max_prompt_tokens + args.max_tokens + args.num_draft_tokens + 64
     methods = ["greedy"] + [f"{d}{m}" for d in args.drafters
@@ -256,7 +108,6 @@ def bench_speed(model, tok, args) -> tuple[list[str], dict]:
     return lines, acc
 
 
-# --------------------------------------------------------------------------------------- quality
 def quality_prompts(tok, args):
     he = load_workload("code")[: args.humaneval] if args.humaneval else []
     bf = load_workload("function_calling", categories=BFCL_CATEGORIES)[: args.bfcl] if args.bfcl else []
@@ -332,8 +183,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from benchmark import machine_line
-
     model, tok = load("default", "bfloat16")
     mask = resolve_mask(args.mask, model.cfg.n_layers)
     t0 = time.time()

@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hvd_ray.workloads.self_chat import clean_query, dedup_key, user_turn_prefix  # noqa: E402

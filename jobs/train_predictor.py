@@ -20,23 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.compute as pc  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-
-from hvd_ray.selection.features import SPEC, FeatureSpec  # noqa: E402
-from hvd_ray.selection.policy import (AlwaysCache, AlwaysModel, CostPolicy, OraclePolicy, ScoreRule,  # noqa: E402
+from hvd_ray.selection.features import SPEC, FeatureSpec
+from hvd_ray.selection.policy import (AlwaysCache, AlwaysModel, CostPolicy, OraclePolicy, ScoreRule,
                                       TauPolicy, simulate, trace_labels_from_table)
-from hvd_ray.selection.predictor import YieldPredictor  # noqa: E402
-from hvd_ray.traces.labels import META_FILE, SPEC_KEY  # noqa: E402
+from hvd_ray.selection.predictor import YieldPredictor
+from hvd_ray.traces.labels import META_FILE, SPEC_KEY
 
 GRID = [
     {"hidden_layer_sizes": (256, 256), "alpha": 1e-4, "learning_rate_init": 1e-3},

@@ -4,6 +4,7 @@ PNG plots exist; the live oracle is lossless and never needs more target forward
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -12,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from hvd_ray.drafters.base import Draft
+from hvd_ray.selection.policy import matched as accepted_against
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "jobs"))
-
-from hvd_ray.selection.policy import matched as accepted_against  # noqa: E402
-
-from hvd_ray.drafters.base import Draft  # noqa: E402
 
 
 def test_accepted_against_chain_and_tree():
@@ -28,6 +27,21 @@ def test_accepted_against_chain_and_tree():
     tree = Draft([5, 6, 7, 8, 9], [-1, 0, 1, 0, 3], [1.0] * 5)
     assert accepted_against(tree, [5, 8, 9, 1]) == 3
     assert accepted_against(Draft(), [1, 2]) == 0
+
+
+def test_hvd_methods_take_the_jobs_spec_options(monkeypatch):
+    """``hvd-<policy>`` methods decode with the job's ``--predictor``, head and budget (the report
+    once built them without ``--predictor``)."""
+    from hvd_ray.bench import methods
+
+    built = []
+    monkeypatch.setattr(methods, "build_engine", lambda spec, *a, **kw: built.append(spec))
+    args = argparse.Namespace(predictor="/my/predictor", eagle3_head="/my/head", model_drafter="eagle3",
+                              num_draft_tokens=12, slim_mask=None)
+    methods.make_method("hvd-tau", None, None, args, 512)
+    (spec,) = built
+    assert (spec.drafter, spec.policy, spec.predictor, spec.eagle3_head) == ("hvd", "tau", "/my/predictor", "/my/head")
+    assert (spec.num_draft_tokens, spec.max_batch, spec.max_len) == (12, 1, 512)
 
 
 @pytest.mark.slow
@@ -62,7 +76,7 @@ def test_report_end_to_end(tmp_path):
 
 def test_vllm_peer_without_vllm_is_not_run():
     """An interpreter without vllm gives a NotRun with the reason, not a crash of the whole report."""
-    from report_methods import NotRun, run_vllm
+    from hvd_ray.bench.peers import NotRun, run_vllm
 
     with pytest.raises(NotRun, match="does not exist"):
         run_vllm("/nonexistent/python", [("chat", "p", [1, 2, 3])], 4, 1, "head")
@@ -70,7 +84,7 @@ def test_vllm_peer_without_vllm_is_not_run():
         pytest.skip("vllm is installed here")
     with pytest.raises(NotRun, match="vLLM run failed"):
         run_vllm(sys.executable, [("chat", "p", [1, 2, 3])], 4, 1, "head")
-    from report_methods import VllmRunner
+    from hvd_ray.bench.peers import VllmRunner
 
     with pytest.raises(NotRun, match="did not start"):  # the live peer of `spec`, same reason
         VllmRunner(sys.executable, None, "float32", 1)
@@ -83,7 +97,7 @@ VLLM_PYTHON = os.environ.get("HVD_VLLM_PYTHON", str(Path.home() / ".cache/hvd-pe
 def test_live_vllm_peers_interleave_and_decode_greedy():
     """`spec`'s vLLM methods: two live peers (plain and suffix decoding) answer prompt by prompt,
     fp32 greedy, and agree with each other and with our engine's greedy output."""
-    from report_methods import VLLM_METHODS, VllmRunner
+    from hvd_ray.bench.peers import VLLM_METHODS, VllmRunner
 
     from hvd_ray.engine import Engine, SamplingParams
     from hvd_ray.model import load
@@ -130,7 +144,7 @@ def test_spec_on_a_user_prompt_file(tmp_path):
     assert "| chat |" not in md  # only the file: no --workloads given
     assert '"my-agent/suffix"' in md  # raw figures keyed by the file's label
 
-    from benchmark import user_workloads  # what the CLI checks, before any model loads
+    from hvd_ray.bench.prompts import user_workloads  # what the CLI checks, before any model loads
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')

@@ -313,7 +313,7 @@ def test_collect_direct_then_resumed_by_ray_job_submit(tmp_path, default_folder)
     model = Transformer.from_pretrained(default_folder, dtype=torch.float32)
     engine = Engine(model, max_batch=1, max_len=1024)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 threads on a busy 2-core box collapse (DESIGN.md)
+    torch.set_num_threads(1)  # 2 threads on a busy 2-core box collapse (docs/design.md)
     try:
         for p, r in zip(prompts, rows):
             ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]

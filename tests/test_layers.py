@@ -1,4 +1,4 @@
-"""The package's layers (README "Layers"): every module of ``hvd_ray/`` and ``kernels/`` imports only
+"""The package's layers (docs/design.md "Layers"): every module of ``hvd_ray/`` and ``kernels/`` imports only
 from its own layer or lower ones, and no two modules import each other, directly or round a loop.
 
 Read with ``ast``, so every import counts: inside functions and under ``if TYPE_CHECKING`` too
@@ -21,9 +21,10 @@ LAYERS = {
     "verification": 3,
     "engine": 4,
     "selection": 5,
-    "traces": 6, "dimr": 6, "bench": 6,
+    "traces": 6, "dimr": 6,
     "build": 7,  # the one builder of an Engine with drafters / a policy / a slim tier (selection, dimr, traces)
     "serving": 7, "cli": 7, "__main__": 7, "hvd_ray": 7,
+    "bench": 8,  # measurement: builds methods' engines (build) and serves the app (serving) to time them
     "kernels.check_gpu": 7,  # a script: it checks the kernels against the engine's functions
 }
 
@@ -41,7 +42,7 @@ def layer_of(mod: str) -> tuple[str, int]:
     key = (parts[1] if len(parts) > 1 else "hvd_ray") if parts[0] == "hvd_ray" else \
         (mod if mod in LAYERS else parts[0])
     if key not in LAYERS:
-        raise KeyError(f"module {mod} is in no layer: add it to LAYERS (and README's Layers)")
+        raise KeyError(f"module {mod} is in no layer: add it to LAYERS (and docs/design.md's Layers)")
     return key, LAYERS[key]
 
 

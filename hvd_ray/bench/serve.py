@@ -1,0 +1,176 @@
+"""The Ray Serve app over HTTP at several concurrencies: requests/s, tokens/s, latency, TTFT and
+the time the engine loop spends on the shared suffix actor, one server (drafter, actor mode) at a time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..model import resolve
+from .machine import DTYPE_NAMES, command, machine_line
+from .prompts import prompt_ids
+
+
+def bench_http(args) -> str:
+    """The Serve app (one replica, bf16) driven over HTTP by `c` concurrent streaming clients."""
+    import httpx
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from ..serving import build_app
+
+    tok = AutoTokenizer.from_pretrained(resolve("default"))
+    n_per = 2 if args.quick else 4
+    sets = ("function_calling", "code", "code_edit", "chat")
+    prompts = [ids for _, _, ids in prompt_ids(tok, sets, n_per, 1024)]
+    levels = {c: prompts * (2 if c >= 8 else 1) for c in args.concurrency}
+    if args.fresh_prompts:  # every level its own held-out prompts (test, then validation split), none sent twice
+        need = sum(2 if c >= 8 else 1 for c in args.concurrency) * n_per + 1  # + 1 for the warm-up
+        pool = {w: [ids for _, _, ids in prompt_ids(tok, (w,), need, 1024, "test")
+                    + prompt_ids(tok, (w,), need, 1024, "validation")][:need] for w in sets}
+        short = [w for w, ids in pool.items() if len(ids) < need]
+        if short:
+            raise ValueError(f"--fresh-prompts: too few held-out prompts in {', '.join(short)} for these levels")
+        prompts, at = [pool[w][-1] for w in sets], 0  # the warm-up prompts are not measured
+        for c in args.concurrency:
+            k = n_per * (2 if c >= 8 else 1)
+            levels[c] = [ids for w in sets for ids in pool[w][at:at + k]]
+            at += k
+    drafter, _, mode = args.serve_drafter.partition(":")
+    mode = mode or "mirror"
+    config = {"model": "default", "dtype": args.dtype, "drafter": drafter, "max_batch": 8,
+              "max_model_len": 2048, "max_tokens": 1024, "torch_threads": args.threads, "num_replicas": 1,
+              "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1},
+              "suffix_actor_mode": mode}
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name="bench", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+
+    def one(ids: list[int]) -> dict:
+        body = {"model": "default", "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        ttft, usage = None, None
+        with httpx.Client(base_url=base, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ttft is None and ev.get("choices") and ev["choices"][0].get("text"):
+                    ttft = time.perf_counter() - t0
+                if ev.get("usage"):
+                    usage = ev["usage"]
+        return {"latency": time.perf_counter() - t0, "ttft": ttft or float("nan"),
+                "tokens": usage["completion_tokens"] if usage else 0}
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    def pct(xs, q):
+        xs = sorted(x for x in xs if x == x)
+        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+    rows, raw = [], {}
+    try:
+        one(prompts[0])  # warm-up
+        with httpx.Client(base_url=base) as c:
+            s0 = c.get("/stats").json()
+        for conc in args.concurrency:
+            work = levels[conc]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(conc) as pool:
+                res = list(pool.map(one, work))
+            wall = time.perf_counter() - t0
+            with httpx.Client(base_url=base) as c:
+                s1 = c.get("/stats").json()
+            wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - \
+                sum(d.get("wait_s", 0.0) for d in s0["drafters"].values())
+            busy = s1["decode_s"] - s0["decode_s"]
+            s0 = s1
+            toks = sum(r["tokens"] for r in res)
+            raw[f"c{conc}"] = res
+            args.http_tps[(args.serve_drafter, conc)] = toks / wall
+            rows.append(f"| {conc} | {len(work)} | {len(work) / wall:.2f} | {toks / wall:.1f} | "
+                        f"{pct([r['latency'] for r in res], 0.5):.2f} | {pct([r['latency'] for r in res], 0.99):.2f} | "
+                        f"{pct([r['ttft'] for r in res], 0.5):.2f} | {pct([r['ttft'] for r in res], 0.99):.2f} | "
+                        f"{100 * wait / busy if busy else 0:.1f}% |")
+            print(rows[-1], file=sys.stderr)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    lines = [
+        f"# HTTP benchmark: the Ray Serve app at concurrency {', '.join(map(str, args.concurrency))}",
+        "",
+        f"Command: `{command('jobs/benchmark.py')}`  ",
+        f"Machine: {machine_line()}  ",
+        f"Server: one replica, SmolLM2-135M-Instruct {DTYPE_NAMES[args.dtype]}, drafter `{drafter}`"
+        + (f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
+           + (" + shipped EAGLE-3 head, cost policy)" if drafter == "hvd" else ")") if drafter in ("hvd", "suffix") else "")
+        + f", max_batch 8, {args.threads} torch threads; greedy, up to {args.max_tokens} new tokens; "
+        f"{len(prompts)} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
+        "(`/v1/completions`, SSE). "
+        + ("Every level sends its own held-out prompts (test, then validation split; twice as many at "
+           "concurrency 8 and above) and no prompt is sent twice: the suffix history holds only earlier "
+           "levels' answers to other prompts." if args.fresh_prompts else
+           "Concurrency 8 and above sends every prompt twice; every level after the first re-sends the "
+           "first level's prompts (their answers are in the suffix history)."),
+        "",
+        "Latency = request start to `[DONE]`; TTFT = request start to the first text chunk; "
+        "actor wait = time the engine loop spent on suffix-drafter actor calls (blocked on them in `remote` mode; "
+        "submitting and polling background calls in `mirror` mode) / time inside engine steps.",
+        "",
+        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+    ]
+    return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n</details>\n"
+
+
+def bench_http_servers(args) -> list[tuple[str, str]]:
+    """``bench_http`` once per server in ``args.servers`` (``drafter[:suffix_actor_mode]``); writes
+    ``args.http_out`` when every server ran. Returns (server, markdown) pairs."""
+    out = []
+    tps: dict = {}
+    for server in args.servers:
+        a = argparse.Namespace(**vars(args))
+        a.serve_drafter, a.http_tps = server, tps
+        try:
+            md = bench_http(a)
+        except Exception as e:  # noqa: BLE001 - the report says why the HTTP cells are missing
+            md = f"not run: {type(e).__name__}: {e}\n"
+        out.append((server, md))
+    if all(not md.startswith("not run") for _, md in out):
+        dest = Path(args.http_out)
+        summary = ""
+        base = args.servers[0]
+        if len(args.servers) > 1:  # tokens/s of each server over the first one's, per concurrency
+            head = "| concurrency | " + " | ".join(f"`{d}` tok/s" for d in args.servers) + " | " + \
+                " | ".join(f"`{d}` / `{base}`" for d in args.servers[1:]) + " |"
+            rows = [f"| {c} | " + " | ".join(f"{tps[(d, c)]:.1f}" for d in args.servers) + " | " +
+                    " | ".join(f"**{tps[(d, c)] / tps[(base, c)]:.2f}x**" for d in args.servers[1:]) + " |"
+                    for c in args.concurrency]
+            summary = ("# HTTP benchmark summary (servers run one after another in one job)\n\n"
+                       f"Command: `{command('jobs/benchmark.py')}`\n\n"
+                       + ("Every level sends its own held-out prompts and none is sent twice: each level is a "
+                          "cold pass for its prompts (the suffix history holds earlier levels' answers to other "
+                          "prompts).\n\n" if args.fresh_prompts else
+                          "Every concurrency level sends the same prompts, so from the second level on a server "
+                          "with a suffix cache has their answers in its global tree (the warm-repeat regime of "
+                          "`benchmarks/regimes.md`); only the first level is a cold pass.\n\n")
+                       + "\n".join([head, "| --- |" + " --- |" * (2 * len(args.servers) - 1), *rows]) + "\n\n")
+        dest.write_text(summary + "\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
+        print(f"wrote {dest}", file=sys.stderr)
+    return out
