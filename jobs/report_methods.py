@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hvd_ray.drafters.base import Draft, DraftRequest
+from hvd_ray.drafters.base import Draft, Drafter, DraftRequest
 from hvd_ray.engine import Engine, SamplingParams
 from hvd_ray.engine.engine import Choice
 from hvd_ray.selection.policy import Policy, matched
@@ -71,12 +71,11 @@ class LiveOracle(Policy):
 
 
 # ---------------------------------------------------------------------------------- arctic
-class ArcticDrafter:
+class ArcticDrafter(Drafter):
     """arctic-inference's C++ ``SuffixDecodingCache`` behind our drafter interface, so the engine
     verifies its drafts exactly as it verifies ours (same budget, same verification)."""
 
     name = "arctic-suffix"
-    needs_taps: tuple[int, ...] = ()
     adaptive_length = True  # the same cache budget as our suffix drafter
 
     def __init__(self, tree: bool = False, max_depth: int = 64):
@@ -95,9 +94,6 @@ class ArcticDrafter:
     def accept(self, req_id: str, tokens: Sequence[int]) -> None:
         self.cache.add_active_response(req_id, list(tokens))
         self.ctx[req_id].extend(tokens)
-
-    def observe_target(self, req_id, next_tokens, taps) -> None:
-        pass
 
     def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]:
         out = []

@@ -62,7 +62,7 @@ from torch import Tensor, nn
 
 from ..model.transformer import (ModelConfig, RMSNorm, Transformer, apply_rope, linear, pack_linears, rope_cos_sin,
                                  rope_tables)
-from .base import Draft, DraftRequest
+from .base import Draft, Drafter, DraftRequest
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -563,8 +563,8 @@ class _ReqState:
     pending_taps: list[Tensor] = field(default_factory=list)
 
 
-class Eagle3Drafter:
-    """EAGLE-3 drafting (chain or dynamic tree) behind the ``Drafter`` protocol.
+class Eagle3Drafter(Drafter):
+    """EAGLE-3 drafting (chain or dynamic tree) as a :class:`~hvd_ray.drafters.base.Drafter`.
 
     Chain: greedy top-1 of the head, up to ``min(depth, max_tokens)`` tokens (``depth`` default 5),
     stopping early once the head's own path probability (the product of its top-1 probabilities)
