@@ -34,9 +34,10 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from hvd_ray.selection.features import SPEC, FeatureSpec  # noqa: E402
 from hvd_ray.selection.policy import (AlwaysCache, AlwaysModel, CostPolicy, OraclePolicy, ScoreRule,  # noqa: E402
-                                      TauPolicy, simulate, trace_labels_from_table)
+                                      TauPolicy)
 from hvd_ray.selection.predictor import YieldPredictor  # noqa: E402
 from hvd_ray.traces.labels import META_FILE, SPEC_KEY  # noqa: E402
+from hvd_ray.traces.simulate import simulate, trace_labels_from_table  # noqa: E402
 
 GRID = [
     {"hidden_layer_sizes": (256, 256), "alpha": 1e-4, "learning_rate_init": 1e-3},
