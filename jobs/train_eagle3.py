@@ -32,12 +32,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import torch  # noqa: E402
 
-from hvd_ray.drafters.eagle3 import Eagle3Head, default_aux_layer_ids, taps_for  # noqa: E402
-from hvd_ray.drafters.eagle3_train import (  # noqa: E402
+from hvd_ray.model import Transformer, parse_dtype, resolve  # noqa: E402
+from hvd_ray.model.eagle3_head import Eagle3Head, default_aux_layer_ids, taps_for  # noqa: E402
+from hvd_ray.traces import read_traces  # noqa: E402
+from hvd_ray.training.eagle3 import (  # noqa: E402
     TTTLoss, draft_vocab_from_counts, extract_features, read_shard, shard_size, state_digest, ttt_logits,
     write_shards)
-from hvd_ray.model import Transformer, parse_dtype, resolve  # noqa: E402
-from hvd_ray.traces import read_traces  # noqa: E402
 from hvd_ray.workloads import split_of  # noqa: E402
 
 

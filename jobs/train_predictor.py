@@ -30,9 +30,10 @@ import pyarrow.parquet as pq
 
 from hvd_ray.selection.features import SPEC, FeatureSpec
 from hvd_ray.selection.policy import (AlwaysCache, AlwaysModel, CostPolicy, OraclePolicy, ScoreRule,
-                                      TauPolicy, simulate, trace_labels_from_table)
+                                      TauPolicy)
 from hvd_ray.selection.predictor import YieldPredictor
 from hvd_ray.traces.labels import META_FILE, SPEC_KEY
+from hvd_ray.traces.simulate import simulate, trace_labels_from_table
 
 GRID = [
     {"hidden_layer_sizes": (256, 256), "alpha": 1e-4, "learning_rate_init": 1e-3},

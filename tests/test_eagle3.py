@@ -10,8 +10,8 @@ from conftest import make_tiny
 from safetensors import safe_open
 
 from hvd_ray.drafters.base import DraftRequest
-from hvd_ray.drafters.eagle3 import (ARCHITECTURE, Eagle3Config, Eagle3Drafter, Eagle3Head,
-                                     default_aux_layer_ids, taps_for)
+from hvd_ray.drafters.eagle3 import Eagle3Drafter
+from hvd_ray.model.eagle3_head import ARCHITECTURE, Eagle3Config, Eagle3Head, default_aux_layer_ids, taps_for
 from hvd_ray.model.transformer import Transformer
 from hvd_ray.verification import check_parents
 
@@ -60,7 +60,7 @@ def ask(req_id, slot, tokens, n=8):
 
 
 def head_snapshot(head, slot, n):
-    return head.cache.k[slot, :n].clone(), head.cache.v[slot, :n].clone()
+    return head.cache.k[0][slot, :, :n].clone(), head.cache.v[0][slot, :, :n].clone()
 
 
 # ------------------------------------------------------------------------------------- layout

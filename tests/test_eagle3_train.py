@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hvd_ray.drafters.eagle3 import Eagle3Head
-from hvd_ray.drafters.eagle3_train import extract_features, read_shard, ttt_logits, ttt_loss, write_shards
+from hvd_ray.model.eagle3_head import Eagle3Head
+from hvd_ray.training.eagle3 import extract_features, read_shard, ttt_logits, ttt_loss, write_shards
 from hvd_ray.model.transformer import Transformer
 from hvd_ray.workloads import split_of
 
@@ -99,7 +99,7 @@ def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
     import subprocess
     import sys
 
-    from hvd_ray.drafters.eagle3_train import state_digest
+    from hvd_ray.training.eagle3 import state_digest
 
     folders, rows = _smoke_traces(tmp_path)  # two trace folders, trained on together
     out = tmp_path / "head"

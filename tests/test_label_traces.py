@@ -20,10 +20,11 @@ import torch
 
 from conftest import make_tiny
 from hvd_ray.drafters.base import Draft, DraftRequest
-from hvd_ray.drafters.eagle3 import Eagle3Drafter, Eagle3Head
+from hvd_ray.drafters.eagle3 import Eagle3Drafter
 from hvd_ray.drafters.layerskip import LayerSkipDrafter, parse_skip
 from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter
 from hvd_ray.engine import Engine, SamplingParams
+from hvd_ray.model.eagle3_head import Eagle3Head
 from hvd_ray.model.transformer import Transformer
 from hvd_ray.selection.features import VocabFlags
 from hvd_ray.selection.policy import ScoreRule

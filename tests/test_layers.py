@@ -22,6 +22,7 @@ LAYERS = {
     "engine": 4,
     "selection": 5,
     "traces": 6, "dimr": 6,
+    "training": 6,  # offline training of draft heads over the model (EAGLE-3: features, TTT loss)
     "build": 7,  # the one builder of an Engine with drafters / a policy / a slim tier (selection, dimr, traces)
     "serving": 7, "cli": 7, "__main__": 7, "hvd_ray": 7,
     "bench": 8,  # measurement: builds methods' engines (build) and serves the app (serving) to time them

@@ -20,10 +20,10 @@ from hvd_ray.model.transformer import Transformer
 from hvd_ray.selection.features import (FEATURES, FLAGS, HISTORY_SLICE, SPEC, FeatureSpec, VocabFlags, features,
                                         history_features, token_flags, with_history)
 from hvd_ray.selection.policy import (CACHE, MODEL, NONE, AlwaysCache, AlwaysModel, CostPolicy,
-                                      OraclePolicy, ScoreRule, StepView, TauPolicy, simulate,
-                                      simulate_trace, trace_labels_from_table, verify_cost)
+                                      OraclePolicy, ScoreRule, StepView, TauPolicy, verify_cost)
 from hvd_ray.selection.predictor import YieldPredictor
 from hvd_ray.traces.labels import META_FILE
+from hvd_ray.traces.simulate import simulate, simulate_trace, trace_labels_from_table
 from test_label_traces import DEPTH, MAX_NEW, MIN_PROB, SKIP, tiny_labels, tiny_setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,7 +394,7 @@ def test_hvd_cost_prior_reads_the_heads_training_report(tmp_path, report):
     a report."""
     from transformers import AutoTokenizer
 
-    from hvd_ray.drafters.eagle3 import Eagle3Head
+    from hvd_ray.model.eagle3_head import Eagle3Head
     from hvd_ray.selection.hvd import build_hvd
 
     s = tiny_setup()

@@ -349,10 +349,9 @@ def test_max_spec_tokens_and_factor_caps():
     d.begin("r", text + text[:30])
     assert d.speculate("r").token_ids == text[30:34]
     assert d.speculate("r", max_tokens=2).token_ids == text[30:32]
-    assert [len(x) for x in d.propose(["r", "r"], [1, 3])] == [1, 3]
-    assert [len(x) for x in d.propose(["r"], 10)] == [4]
+    assert len(d.speculate("r", max_tokens=10)) == 4                 # the config caps a larger budget
     asks = [DraftRequest("r", 0, d.context("r"), 3), DraftRequest("r", 0, d.context("r"), 0)]
-    assert [x.token_ids for x in d.propose(asks)] == [text[30:33], []]   # the engine's form
+    assert [x.token_ids for x in d.propose(asks)] == [text[30:33], []]   # one speculate per request
 
 
 def test_min_token_prob_and_probabilities():

@@ -52,8 +52,7 @@ def _run(drafter, streams, rid_prefix: str, steps: int = 3) -> list:
         drafter.begin(f"{rid_prefix}{i}", prompt, i)
     while pos:
         asks = [DraftRequest(f"{rid_prefix}{i}", i, [], 8) for i in pos]
-        if hasattr(drafter, "prepare"):
-            drafter.prepare(asks)
+        drafter.prepare(asks)
         for a, d in zip(asks, drafter.propose(asks)):
             drafts.append((a.req_id, d.token_ids, d.parents, [round(p, 9) for p in d.probs], d.match_len))
         for i in list(pos):

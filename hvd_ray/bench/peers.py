@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..drafters.base import Draft, DraftRequest
+from ..drafters.base import Draft, Drafter, DraftRequest
 from ..engine import SamplingParams
 
 PEER = Path(__file__).with_name("vllm_peer.py")  # a script for the vLLM interpreter, not imported here
@@ -25,12 +25,11 @@ class NotRun(Exception):
     """A method that cannot run here; the message is the reason the report gives."""
 
 
-class ArcticDrafter:
+class ArcticDrafter(Drafter):
     """arctic-inference's C++ ``SuffixDecodingCache`` behind our drafter interface, so the engine
     verifies its drafts exactly as it verifies ours (same budget, same verification)."""
 
     name = "arctic-suffix"
-    needs_taps: tuple[int, ...] = ()
     adaptive_length = True  # the same cache budget as our suffix drafter
 
     def __init__(self, tree: bool = False, max_depth: int = 64):
@@ -49,9 +48,6 @@ class ArcticDrafter:
     def accept(self, req_id: str, tokens: Sequence[int]) -> None:
         self.cache.add_active_response(req_id, list(tokens))
         self.ctx[req_id].extend(tokens)
-
-    def observe_target(self, req_id, next_tokens, taps) -> None:
-        pass
 
     def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]:
         out = []

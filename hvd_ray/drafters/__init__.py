@@ -29,9 +29,9 @@ def make_drafter(name: str, model, *, draft_model: str | None = None, eagle3_hea
             raise ValueError("--drafter draft-model needs --draft-model FOLDER (a model sharing the tokenizer)")
         return draft_model_drafter(draft_model, model, slots=slots, max_len=max_len)
     if name == "eagle3":
-        from .eagle3 import Eagle3Drafter, Eagle3Head, shipped_head
-
+        from ..model.eagle3_head import Eagle3Head, shipped_head
         from ..model.transformer import pack_linears
+        from .eagle3 import Eagle3Drafter
 
         head = Eagle3Head.load(eagle3_head, model) if eagle3_head else shipped_head(model)
         # this head only drafts: its fp32 linears run on prepacked weights too, as the target's

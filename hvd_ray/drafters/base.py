@@ -7,8 +7,9 @@ verifier can lay the draft out in the order given.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -62,8 +63,8 @@ class DraftRequest:
     max_tokens: int  # draft budget for this step
 
 
-class Drafter(Protocol):
-    """What the decoding loop needs from a draft source.
+class Drafter(abc.ABC):
+    """What the decoding loop needs from a draft source; every drafter subclasses it.
 
     ``begin`` sees the prompt, ``accept`` every token emitted after it (drafters with per-request
     state stay in sync), ``end`` releases it. ``propose`` drafts for the whole batch at once so model
@@ -71,17 +72,43 @@ class Drafter(Protocol):
     the layers in ``needs_taps``; the engine then calls ``observe_target(req_id, next_tokens, taps)``
     after every target forward with ``taps[i]`` (the fused residual streams at one committed
     position) paired with ``next_tokens[i]`` (the token that follows that position).
+
+    Only ``propose`` is required: the other hooks default to doing nothing, so a drafter without
+    per-request state, hidden-state taps or a remote side overrides only what it uses and callers
+    call every hook unconditionally.
     """
 
     name: str
-    needs_taps: tuple[int, ...]
+    needs_taps: tuple[int, ...] = ()  # target layers whose residual streams observe_target receives
+    adaptive_length: bool = False  # sizes its own drafts (a cache drafter): the engine's cache budget
 
-    def begin(self, req_id: str, prompt: Sequence[int], slot: int) -> None: ...
+    def begin(self, req_id: str, prompt: Sequence[int], slot: int) -> None:
+        """A request starts in KV slot ``slot`` with ``prompt``."""
 
-    def accept(self, req_id: str, tokens: Sequence[int]) -> None: ...
+    def accept(self, req_id: str, tokens: Sequence[int]) -> None:
+        """``tokens`` were emitted for the request (after verification)."""
 
-    def observe_target(self, req_id: str, next_tokens: Sequence[int], taps: torch.Tensor) -> None: ...
+    def observe_target(self, req_id: str, next_tokens: Sequence[int], taps: torch.Tensor) -> None:
+        """The target's taps at committed positions (only called when ``needs_taps`` is set)."""
 
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]: ...
+    def end(self, req_id: str) -> None:
+        """The request is over: release whatever the drafter keeps for it."""
 
-    def end(self, req_id: str) -> None: ...
+    def prepare(self, reqs: Sequence[DraftRequest]) -> None:
+        """Once per engine step, before any ``propose``, with the whole batch (a remote drafter
+        fetches every draft in one round trip)."""
+
+    @abc.abstractmethod
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]:
+        """One draft per request, in order, each at most ``max_tokens`` long."""
+
+    def flush(self) -> None:
+        """The engine loop is idle: finish background work (e.g. sync with a shared actor)."""
+
+    def live_requests(self) -> int:
+        """Requests begun and not yet ended (serving checks that none leak); 0 when none are kept."""
+        return 0
+
+    def stats(self) -> dict:
+        """Drafter-specific figures for the replica's stats endpoint."""
+        return {}

@@ -16,8 +16,8 @@ def default_skip(n_layers: int, n_attn: int | None = None) -> list[SubLayer]:
     """Skip attention sub-layers in the upper-middle of the stack.
 
     Skipping attention sub-layers keeps far more top-1 agreement than skipping whole layers at a
-    similar saving (see DESIGN.md); the first and last few layers matter most and are kept. A
-    DIMR-searched mask (jobs/search_slim.py) replaces this default when one is configured.
+    similar saving (docs/design.md, "How we measure"); the first and last few layers matter most and
+    are kept. A DIMR-searched mask (jobs/search_slim.py) replaces this default when one is configured.
     """
     n_attn = n_attn if n_attn is not None else max(1, n_layers * 4 // 15)
     lo, hi = n_layers // 3, n_layers - 2

@@ -14,10 +14,10 @@ from typing import Iterable, Sequence
 import torch
 
 from ..model.transformer import SubLayer, Transformer
-from .base import Draft, DraftRequest
+from .base import Draft, Drafter, DraftRequest
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Greedy chain drafting with a :class:`Transformer`.
 
     ``shares_target_cache`` means ``model`` *is* the target and drafting writes into the target's
@@ -25,8 +25,6 @@ class ModelDrafter:
     space that the next verify forward overwrites, and positions before it are exact target K/V,
     which the kept layers read. Otherwise ``model`` has its own cache with the same slot numbers.
     """
-
-    needs_taps: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, *, skip: Iterable[SubLayer] = (), shares_target_cache: bool = False,
                  name: str = "draft-model", max_len: int | None = None, slots: int | None = None,
@@ -45,15 +43,6 @@ class ModelDrafter:
             if slot >= self.model.cache.slots:
                 raise ValueError(f"draft model has {self.model.cache.slots} cache slots, slot {slot} requested")
             self.model.cache.truncate(slot, 0)
-
-    def accept(self, req_id: str, tokens: Sequence[int]) -> None:
-        pass
-
-    def observe_target(self, req_id: str, next_tokens: Sequence[int], taps: torch.Tensor) -> None:
-        pass
-
-    def end(self, req_id: str) -> None:
-        pass
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]:

@@ -27,7 +27,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from hvd_ray.drafters.base import Draft
+from hvd_ray.drafters.base import Draft, Drafter, DraftRequest
 
 __all__ = ["SuffixConfig", "SuffixTree", "SuffixDrafter"]
 
@@ -542,12 +542,11 @@ def _materialize(hit: _Hit | None, p: _Params, source: str) -> Draft:
     return Draft(tokens, list(range(-1, len(tokens) - 1)), probs, score, m, source)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Parameter-free cache drafter: per-request tree + bounded global tree of past outputs."""
 
     name = "suffix"
-    needs_taps: tuple[int, ...] = ()   # reads no hidden states
-    adaptive_length = True             # sizes its drafts by its match (the engine's cache budget)
+    adaptive_length = True   # sizes its drafts by its match (the engine's cache budget)
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = c = config or SuffixConfig()
@@ -577,9 +576,6 @@ class SuffixDrafter:
             self._pending[req_id].extend(tokens)
         elif req_id in self._cached:   # (it may have been evicted while live)
             self.global_tree.extend(req_id, tokens)
-
-    def observe_target(self, req_id: Hashable, next_tokens: Sequence[int], taps) -> None:
-        """No-op: the suffix drafter never reads the target's hidden states."""
 
     def end(self, req_id: Hashable) -> None:
         del self._req[req_id]
@@ -647,12 +643,7 @@ class SuffixDrafter:
                 return _materialize(ghit, p, "suffix-global")
         return _materialize(hit, p, "suffix-request")
 
-    def propose(self, reqs: Sequence, max_tokens: Sequence[int] | int | None = None
-                ) -> list[Draft]:
-        """Drafts for a batch: ``DraftRequest``s (the engine's form: id + budget), or plain ids
-        with ``max_tokens`` (one cap, or one per id). The context is the drafter's own copy."""
-        if reqs and hasattr(reqs[0], "req_id"):
-            return [self.speculate(r.req_id, r.max_tokens) for r in reqs]
-        if max_tokens is None or isinstance(max_tokens, int):
-            return [self.speculate(r, max_tokens) for r in reqs]
-        return [self.speculate(r, m) for r, m in zip(reqs, max_tokens, strict=True)]
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]:
+        """One :meth:`speculate` per request; the context is the drafter's own copy, not
+        ``DraftRequest.tokens``."""
+        return [self.speculate(r.req_id, r.max_tokens) for r in reqs]

@@ -118,7 +118,7 @@ class Engine:
         self.free_slots = deque(range(model.cache.slots))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.taps = tuple(sorted({t for d in self.drafters for t in getattr(d, "needs_taps", ())}))
+        self.taps = tuple(sorted({t for d in self.drafters for t in d.needs_taps}))
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------ requests
@@ -179,7 +179,7 @@ class Engine:
                 try:
                     d.end(req.req_id)
                 except Exception:  # noqa: BLE001 - the request is over either way
-                    logger.exception("drafter %s failed to end request %s", getattr(d, "name", d), req.req_id)
+                    logger.exception("drafter %s failed to end request %s", d.name, req.req_id)
             if req.finish_reason in ("abort", "error"):
                 outputs.append(StepOutput(req.req_id, [], True, req.finish_reason, req.error))
 
@@ -222,7 +222,7 @@ class Engine:
         """How many draft tokens request ``r`` may verify this step from ``drafter`` (its drafts are
         cut to this): ``cache_draft_tokens`` for a drafter with ``adaptive_length``, else
         ``num_draft_tokens``, within what the request and its KV slot have room for."""
-        cap = self.cache_draft_tokens if getattr(drafter, "adaptive_length", False) else self.num_draft_tokens
+        cap = self.cache_draft_tokens if drafter is not None and drafter.adaptive_length else self.num_draft_tokens
         return max(0, min(cap, r.params.max_tokens - len(r.output) - 1,
                           self.max_len - self.model.cache.lengths[r.slot] - 1))
 
@@ -238,11 +238,10 @@ class Engine:
         default = self.drafters[0] if self.drafters else None
         self.decoding_batch = len(reqs)
         for d in self.drafters:  # remote drafters fetch the whole batch's drafts in one call
-            if hasattr(d, "prepare"):
-                try:
-                    d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, d)) for r in reqs])
-                except Exception:  # noqa: BLE001 - a prefetch only; propose asks again per request below
-                    logger.exception("drafter %s failed to prepare the batch", getattr(d, "name", d))
+            try:
+                d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, d)) for r in reqs])
+            except Exception:  # noqa: BLE001 - a prefetch only; propose asks again per request below
+                logger.exception("drafter %s failed to prepare the batch", d.name)
         choices = []
         for r in reqs:
             try:
@@ -271,15 +270,14 @@ class Engine:
         def ask(r: Request) -> DraftRequest:
             return DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, src))
 
-        where = f"drafting ({getattr(src, 'name', 'drafter')})"
+        where = f"drafting ({src.name})"
         try:
             return list(src.propose([ask(r) for r in reqs]))
         except Exception as e:  # noqa: BLE001
             if len(reqs) == 1:
                 self._fail(reqs[0], e, where)
                 return [None]
-            logger.exception("drafter %s failed on a batch of %d; retrying per request",
-                             getattr(src, "name", src), len(reqs))
+            logger.exception("drafter %s failed on a batch of %d; retrying per request", src.name, len(reqs))
         out: list[Draft | None] = []
         for r in reqs:
             try:
@@ -472,7 +470,7 @@ class Engine:
     def _observe(self, req: Request, next_tokens: list[int], taps: list[torch.Tensor], row: int, pos) -> None:
         """Hand each tap-reading drafter the target's hidden states at the committed positions."""
         for d in self.drafters:
-            if getattr(d, "needs_taps", ()):
+            if d.needs_taps:
                 fused = torch.cat([taps[self.taps.index(t)][row, pos] for t in d.needs_taps], dim=-1)
                 d.observe_target(req.req_id, next_tokens, fused)
 

@@ -9,8 +9,8 @@ draft lengths), so the same code runs
   :class:`~hvd_ray.engine.Choice` — the drafter to use, the cache draft already made (so the engine
   need not draft it twice) and ŷ_t for the step record;
 * offline, in trace replay (the simulated decoding run behind the history features) and in
-  :func:`simulate` (MAT / forwards per 1k tokens / estimated cost of each policy on labelled
-  traces).
+  :func:`~hvd_ray.traces.simulate.simulate` (MAT / forwards per 1k tokens / estimated cost of each
+  policy on labelled traces).
 
 Choices are ``"cache"`` (verify the suffix draft), ``"model"`` (ask the model drafter) and
 ``"none"`` (plain decoding step).
@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -30,7 +30,7 @@ from ..drafters.base import Draft
 from ..engine.costs import StepCosts, interpolate
 from ..engine.engine import Choice
 from ..verification.tree import tree_depths
-from .features import VocabFlags, features, history_from_steps, with_history
+from .features import VocabFlags, features, history_from_steps
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine.engine import Engine
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CACHE, MODEL, NONE = "cache", "model", "none"
 
-# One target forward scoring k tokens, relative to k = 1 (DESIGN.md: SmolLM2-135M, bf16, 2 threads,
+# One target forward scoring k tokens, relative to k = 1 (docs/design.md: SmolLM2-135M, bf16, 2 threads,
 # an Intel box with bf16 instructions). Offline simulation's default; online, the cost policy uses
 # the costs the engine measured on its own hardware (engine/costs.py).
 VERIFY_COST = {1: 1.00, 8: 1.20, 16: 1.32, 32: 1.71}
@@ -361,7 +361,7 @@ class CostPolicy(Policy):
         ema = lambda old, x: x if old is None else (1 - a) * old + a * x  # noqa: E731
         if rec.verify_s > 0:
             self.forward_s = ema(self.forward_s, rec.verify_s / self.costs.per_row(1 + rec.drafted, self._batch))
-        if self.model is not None and rec.source == getattr(self.model, "name", None):
+        if self.model is not None and rec.source == self.model.name:
             self.model_accept = ema(self.model_accept, float(rec.accepted))
             self.model_len_seen = ema(self.model_len_seen, float(rec.drafted))
             if self.forward_s:
@@ -448,7 +448,7 @@ class CostPolicy(Policy):
             st = self._per_req[req_id] = [0.0, 0.0, 0.0]  # model steps, accepted, drafted
             while len(self._per_req) > 4096:  # finished requests age out
                 self._per_req.popitem(last=False)
-        if rec is not None and self.model is not None and rec.source == getattr(self.model, "name", None):
+        if rec is not None and self.model is not None and rec.source == self.model.name:
             st[0] += 1
             st[1] += rec.accepted
             st[2] += rec.drafted
@@ -515,132 +515,6 @@ class OraclePolicy(Policy):
         raise RuntimeError("OraclePolicy is for offline comparison (it reads the labels)")
 
 
-# ---------------------------------------------------------------------------------------------
-# Offline comparison on labelled traces
-@dataclass
-class TraceLabels:
-    """One trace's labels indexed by position t (index 0 unused: t = 0 is prefill)."""
-
-    n: int  # output length
-    phi: np.ndarray  # [n, F]
-    cache_len: np.ndarray
-    y_cache: np.ndarray
-    model_len: np.ndarray  # the model draft actually made at t
-    y_model: np.ndarray
-    budget: np.ndarray
-
-
-@dataclass
-class SimResult:
-    traces: int = 0
-    tokens: int = 0  # generated tokens (the prefill's first token included)
-    steps: int = 0  # decode (verify) forwards
-    cache_steps: int = 0
-    model_steps: int = 0
-    accepted: int = 0  # draft tokens accepted (within the trace)
-    cost: float = 0.0  # decode cost in units of a 1-token target forward (verify + model drafting)
-    predicted: list[float] = field(default_factory=list)
-
-    def add(self, o: "SimResult") -> None:
-        for k in ("traces", "tokens", "steps", "cache_steps", "model_steps", "accepted", "cost"):
-            setattr(self, k, getattr(self, k) + getattr(o, k))
-        self.predicted += o.predicted
-
-    def summary(self) -> dict:
-        """MAT as the engine reports it (tokens per decode forward); forwards per 1k generated
-        tokens with prefill counted; decode cost per decode token and the implied speed-up over
-        plain greedy decoding (cost 1 per token) under the verify-cost table."""
-        decode_tokens = self.tokens - self.traces
-        return {
-            "traces": self.traces,
-            "tokens": self.tokens,
-            "steps": self.steps,
-            "mean_accepted_per_forward": decode_tokens / self.steps if self.steps else 0.0,
-            "forwards_per_1k_tokens": 1000.0 * (self.steps + self.traces) / self.tokens if self.tokens else 0.0,
-            "cache_share": self.cache_steps / self.steps if self.steps else 0.0,
-            "model_share": self.model_steps / self.steps if self.steps else 0.0,
-            "cost_per_token": self.cost / decode_tokens if decode_tokens else 0.0,
-            "est_speedup_vs_greedy": decode_tokens / self.cost if self.cost else 0.0,
-        }
-
-
-def simulate_trace(lab: TraceLabels, policy: Policy, *, model_depth: int,
-                   model_token_cost: float = LAYERSKIP_TOKEN_COST,
-                   cost_table: dict[int, float] = VERIFY_COST, path: list | None = None) -> SimResult:
-    """Decode one trace with ``policy``: from t = 1, each step verifies the chosen draft and gains
-    its label plus the bonus token. History features are recomputed for this run; ``model_depth``
-    is the model drafter's depth (0: none was labelled), giving the nominal ``model_len``.
-    ``path``, if given, collects ``(t, choice, accepted)`` per step."""
-    res = SimResult(traces=int(lab.n > 0), tokens=min(lab.n, 1))
-    hist: list[tuple[bool, int]] = []
-    t = 1
-    while t < lab.n:
-        view = StepView(with_history(lab.phi[t], hist) if policy.needs_phi else lab.phi[t],
-                        int(lab.cache_len[t]), min(model_depth, int(lab.budget[t])),
-                        int(lab.y_cache[t]), int(lab.y_model[t]))
-        choice, pred = policy.decide(view)
-        if choice == CACHE:
-            acc, k = int(lab.y_cache[t]), int(lab.cache_len[t])
-            res.cache_steps += 1
-            res.cost += verify_cost(1 + k, cost_table)
-        elif choice == MODEL and model_depth > 0:
-            acc, k = int(lab.y_model[t]), int(lab.model_len[t])
-            res.model_steps += 1
-            res.cost += verify_cost(1 + k, cost_table) + k * model_token_cost
-        else:
-            choice, acc = NONE, 0
-            res.cost += verify_cost(1, cost_table)
-        if pred is not None:
-            res.predicted.append(pred)
-        hist.append((choice == CACHE, acc))
-        if path is not None:
-            path.append((t, choice, acc))
-        gained = min(acc + 1, lab.n - t)
-        res.accepted += gained - 1
-        res.tokens += gained
-        res.steps += 1
-        t += acc + 1
-    return res
-
-
-def simulate(traces: Sequence[TraceLabels], policy: Policy, **kw) -> dict:
-    """Summed :func:`simulate_trace` over ``traces`` (see :meth:`SimResult.summary`)."""
-    total = SimResult()
-    for lab in traces:
-        total.add(simulate_trace(lab, policy, **kw))
-    return total.summary()
-
-
-def trace_labels_from_table(table) -> list[TraceLabels]:
-    """Group a label table (pyarrow, ``LABEL_SCHEMA``) into per-trace arrays."""
-    cols = {c: table.column(c).to_numpy() for c in
-            ("seq", "t", "remaining", "cache_len", "y_cache", "model_len", "y_model", "budget")}
-    phi = np.asarray(table.column("phi").combine_chunks().flatten().to_numpy(zero_copy_only=False),
-                     np.float32).reshape(table.num_rows, -1) if table.num_rows else np.zeros((0, 0), np.float32)
-    order = np.lexsort((cols["t"], cols["seq"]))
-    out = []
-    seqs = cols["seq"][order]
-    bounds = np.flatnonzero(np.diff(seqs)) + 1
-    for idx in np.split(order, bounds):
-        if not len(idx):
-            continue
-        t = cols["t"][idx]
-        n = int(t[0] + cols["remaining"][idx][0])
-        arr = lambda c: _scatter(n, t, cols[c][idx])  # noqa: E731
-        P = np.zeros((n, phi.shape[1]), np.float32)
-        P[t] = phi[idx]
-        out.append(TraceLabels(n, P, arr("cache_len"), arr("y_cache"), arr("model_len"), arr("y_model"),
-                               arr("budget")))
-    return out
-
-
-def _scatter(n: int, t: np.ndarray, v: np.ndarray) -> np.ndarray:
-    out = np.zeros(n, np.int64)
-    out[t] = v
-    return out
-
-
 __all__ = ["AlwaysCache", "AlwaysModel", "CACHE", "CostPolicy", "LAYERSKIP_TOKEN_COST", "MODEL",
-           "NONE", "OraclePolicy", "Policy", "ScoreRule", "SimResult", "StepView", "TauPolicy",
-           "TraceLabels", "VERIFY_COST", "draft_budget", "matched", "nominal", "simulate", "simulate_trace",
-           "trace_labels_from_table", "verify_cost"]
+           "NONE", "OraclePolicy", "Policy", "ScoreRule", "StepView", "TauPolicy", "VERIFY_COST",
+           "draft_budget", "matched", "nominal", "verify_cost"]

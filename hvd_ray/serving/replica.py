@@ -164,11 +164,10 @@ class EngineLoop:
 
     def _idle(self) -> None:
         for d in getattr(self.engine, "drafters", ()):  # e.g. sync with the suffix actor
-            if hasattr(d, "flush"):
-                try:
-                    d.flush()
-                except Exception:  # noqa: BLE001 - a background sync; the next idle turn retries
-                    logger.exception("drafter %s failed to flush", getattr(d, "name", d))
+            try:
+                d.flush()
+            except Exception:  # noqa: BLE001 - a background sync; the next idle turn retries
+                logger.exception("drafter %s failed to flush", d.name)
         self._publish_queue()
         self._wake.wait(timeout=1.0)
         self._wake.clear()
@@ -299,8 +298,8 @@ class ModelReplica:
         """Engine-loop figures plus per-drafter state (live requests it tracks, actor wait time)."""
         out = self.loop.stats()
         drafters = getattr(self.engine, "drafters", [])
-        out["drafters"] = {d.name: (d.stats() if hasattr(d, "stats") else {}) for d in drafters}
-        out["live_drafter_requests"] = sum(d.live_requests() for d in drafters if hasattr(d, "live_requests"))
+        out["drafters"] = {d.name: d.stats() for d in drafters}
+        out["live_drafter_requests"] = sum(d.live_requests() for d in drafters)
         out["decode_s"] = self.loop.decode_s
         out["rss_bytes"] = psutil.Process().memory_info().rss  # leak checks under load (bench/load.py)
         return out

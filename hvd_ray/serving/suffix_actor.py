@@ -36,7 +36,7 @@ from typing import Hashable, Sequence
 
 import ray
 
-from ..drafters.base import Draft, DraftRequest
+from ..drafters.base import Draft, Drafter, DraftRequest
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
 
 logger = logging.getLogger("ray.serve")
@@ -131,11 +131,10 @@ def service_actor(name: str = "hvd-suffix-drafter", config: dict | None = None, 
                        max_concurrency=1).remote(config, history)
 
 
-class RemoteSuffixDrafter:
+class RemoteSuffixDrafter(Drafter):
     """The engine-side proxy of :class:`SuffixDrafterService` (see the module docstring)."""
 
     name = "suffix"
-    needs_taps: tuple[int, ...] = ()
     adaptive_length = True  # drafts sized by match length, as the in-process SuffixDrafter
 
     def __init__(self, actor, *, timeout_s: float = 2.0, retry_s: float = 0.5,
@@ -159,7 +158,7 @@ class RemoteSuffixDrafter:
             logger.warning("suffix drafter actor not ready after %.0f s (%s)", start_timeout_s, type(e).__name__)
             self._resync = True
 
-    # ------------------------------------------------------------------ the Drafter protocol
+    # ------------------------------------------------------------------ the Drafter hooks
     def begin(self, req_id: Hashable, prompt: Sequence[int], slot: int | None = None) -> None:
         self._ctx[req_id] = list(prompt)
         self._ops.append(("begin", req_id, list(prompt)))
@@ -167,9 +166,6 @@ class RemoteSuffixDrafter:
     def accept(self, req_id: Hashable, tokens: Sequence[int]) -> None:
         self._ctx[req_id].extend(tokens)
         self._ops.append(("accept", req_id, list(tokens)))
-
-    def observe_target(self, req_id: Hashable, next_tokens: Sequence[int], taps) -> None:
-        """No-op: suffix drafting never reads hidden states."""
 
     def end(self, req_id: Hashable) -> None:
         self._ctx.pop(req_id, None)

@@ -57,6 +57,8 @@ import pyarrow as pa
 import torch
 
 from ..drafters.base import Draft, DraftRequest
+from ..drafters.eagle3 import Eagle3Drafter, _ReqState
+from ..model.transformer import KVCache
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
 from ..selection.features import SPEC, VocabFlags, features
 from ..selection.policy import CACHE, MODEL, Policy, ScoreRule, StepView
@@ -183,15 +185,12 @@ def budgets_for(trace: Trace, max_draft: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # model drafter
-def _fill_slots(cache, n: int, batch: int) -> None:
-    """Copy slot 0's first ``n`` K/V rows to slots 1..batch-1 and set every length to ``n``."""
-    if isinstance(cache.k, list):  # the target's KVCache: per layer [slots, kv, len, hd]
-        for kc, vc in zip(cache.k, cache.v):
-            kc[1:batch, :, :n] = kc[0:1, :, :n]
-            vc[1:batch, :, :n] = vc[0:1, :, :n]
-    else:  # the EAGLE-3 head's cache: [slots, len, kv, hd]
-        cache.k[1:batch, :n] = cache.k[0:1, :n]
-        cache.v[1:batch, :n] = cache.v[0:1, :n]
+def _fill_slots(cache: KVCache, n: int, batch: int) -> None:
+    """Copy slot 0's first ``n`` K/V rows to slots 1..batch-1 and set every length to ``n`` (the
+    target's cache or the EAGLE-3 head's: per layer ``[slots, kv, len, hd]``)."""
+    for kc, vc in zip(cache.k, cache.v):
+        kc[1:batch, :, :n] = kc[0:1, :, :n]
+        vc[1:batch, :, :n] = vc[0:1, :, :n]
     for s in range(batch):
         cache.lengths[s] = n
 
@@ -223,18 +222,16 @@ def model_drafter_labels(drafter, prompt: Sequence[int], output: Sequence[int], 
     seq = [int(x) for x in list(prompt) + list(output)]
     P = len(prompt)
     batch = max(1, min(batch, len(ts)))
-    is_eagle = hasattr(drafter, "head") and hasattr(drafter, "observe_target")
+    is_eagle = isinstance(drafter, Eagle3Drafter)
     model = drafter.target if is_eagle else drafter.model
     room = getattr(drafter, "draft_room", getattr(drafter, "depth", 8)) + 2
     cache = _ensure_cache(model, batch, len(seq) + room)
     dev = model.device
     prefix = seq[:-1]  # committed K/V up to the largest position's context
     cache.truncate(0, 0)
-    taps_idx = tuple(sorted(set(getattr(drafter, "needs_taps", ())))) if is_eagle else ()
+    taps_idx = tuple(sorted(set(drafter.needs_taps))) if is_eagle else ()
     out = model(torch.tensor([prefix], device=dev), [0], taps=taps_idx, last_only=True)
     if is_eagle:
-        from ..drafters.eagle3 import _ReqState
-
         head = drafter.head
         hc = head.cache
         if hc is None or hc.slots < batch or hc.max_len < len(seq) + room:
@@ -441,7 +438,7 @@ class TraceLabeler:
                 d.min_prob = cfg.min_prob
             return d
         if cfg.model_drafter == "eagle3":
-            from ..drafters.eagle3 import Eagle3Drafter, Eagle3Head
+            from ..model.eagle3_head import Eagle3Head
 
             return Eagle3Drafter(m, Eagle3Head.load(cfg.eagle3_head, m), tree=cfg.eagle3_tree, depth=cfg.depth,
                                  slots=cfg.batch_slots, max_len=m.cfg.max_position)

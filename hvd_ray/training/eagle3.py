@@ -25,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ..model.eagle3_head import Eagle3Head
 from ..model.transformer import Transformer, apply_rope, rope_cos_sin, rope_tables
-from .eagle3 import Eagle3Head
 
 IGNORE = -100
 
@@ -99,7 +99,7 @@ def ttt_logits(head: Eagle3Head, taps: Tensor, tokens: Tensor, steps: int = 3) -
     dev, dt = head.device, head.dtype
     layer, att = head.midlayer, head.midlayer.self_attn
     if head._rope_len < L:
-        cos, sin = rope_tables(head.cfg.rope_config(), L)
+        cos, sin = rope_tables(head.cfg.model_config(), L)
         head.rope_cos, head.rope_sin = cos.to(dev), sin.to(dev)
         head._rope_len = L
     cos, sin = rope_cos_sin(head.rope_cos, head.rope_sin, torch.arange(L, device=dev)[None], dt)

@@ -1,0 +1,542 @@
+"""EAGLE-3 draft head: one decoder layer over fused low / mid / high target features.
+
+The head is a model like the target (weights, a KV cache, a forward); drafting with it is
+``hvd_ray/drafters/eagle3.py``, training it ``hvd_ray/training/eagle3.py``.
+
+Architecture and checkpoint layout are those of the published EAGLE-3 heads as vLLM's ``eagle3``
+method loads them (``vllm/model_executor/models/llama_eagle3.py``, class ``Eagle3LlamaForCausalLM``;
+architecture name ``LlamaForCausalLMEagle3``). One ``model.safetensors`` with the keys::
+
+    fc.weight                                  [H, 3*H_target]   fuses the three target taps
+    midlayer.input_layernorm.weight            [H]               on the token embedding
+    midlayer.hidden_norm.weight                [H]               on the fused / fed-back hidden
+    midlayer.self_attn.{q,k,v}_proj.weight     [heads*D, 2*H]    input = embed ++ hidden
+    midlayer.self_attn.o_proj.weight           [H, heads*D]
+    midlayer.post_attention_layernorm.weight   [H]
+    midlayer.mlp.{gate,up}_proj.weight         [I, H]
+    midlayer.mlp.down_proj.weight              [H, I]
+    norm.weight                                [H]
+    lm_head.weight                             [V_draft, H]      reduced draft vocabulary
+    d2t                                        int64 [V_draft]   target id = draft id + d2t[draft id]
+    t2d                                        bool  [V_target]  marks the target ids in the draft vocab
+
+There is no ``embed_tokens``: the head uses the target's token embeddings (vLLM shares them when
+the checkpoint has none; a checkpoint that ships ``embed_tokens.weight`` is loaded with its own).
+
+One step of the head, for a feature ``h`` (fused target taps, or the head's own previous output)
+and the embedding ``e`` of the token that follows it, at RoPE position ``pos``::
+
+    x        = [input_layernorm(e), hidden_norm(h)]             # 2H wide
+    r        = h + o_proj(attn(q/k/v_proj(x), pos))             # (hidden_norm(h) + ... when
+    prenorm  = r + mlp(post_attention_layernorm(r))             #  norm_before_residual)
+    logits   = lm_head(norm(prenorm))                           # over the draft vocab
+
+``prenorm`` is what the head feeds itself when it drafts further (EAGLE's autoregression on
+features; vLLM feeds back the second output of the draft model, the pre-norm hidden state).
+
+Target taps. vLLM asks a target with L layers for the auxiliary hidden states at layer ids
+``(2, L // 2, L - 3)`` (``get_eagle3_aux_hidden_state_layers``), and a head's config may pin its own
+ids as ``eagle_aux_hidden_state_layer_ids``. vLLM collects id ``j`` *before* layer ``j`` runs
+(``hidden_states + residual`` at the input of layer j = the residual stream after layer ``j - 1``).
+Our ``Transformer`` taps the residual stream *after* a layer, so the drafter's ``needs_taps`` is
+``(j - 1 for j in ids)``: ``(1, L // 2 - 1, L - 4)``; for SmolLM2-135M (30 layers) ids (2, 15, 27),
+taps (1, 14, 26). The ids are stored in vLLM's convention in ``config.json``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .transformer import (KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, linear, pack_linears, rope_cos_sin,
+                          rope_tables)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_aux_layer_ids(n_layers: int) -> tuple[int, int, int]:
+    """vLLM's default EAGLE-3 aux layer ids for a target with ``n_layers`` (vLLM's convention)."""
+    return tuple(max(1, min(j, n_layers)) for j in (2, n_layers // 2, n_layers - 3))  # type: ignore
+
+
+def taps_for(aux_layer_ids: Sequence[int]) -> tuple[int, ...]:
+    """Our ``Transformer`` tap layers (residual after layer t) for vLLM aux ids (input of layer j)."""
+    if any(j < 1 for j in aux_layer_ids):
+        raise ValueError(f"aux layer id 0 is the embedding output, which cannot be tapped: {aux_layer_ids}")
+    return tuple(j - 1 for j in aux_layer_ids)
+
+
+# ------------------------------------------------------------------------------------------ config
+@dataclass
+class Eagle3Config:
+    """The head's architecture; ``to_hf`` / ``from_hf`` read and write the published config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] = (2, 2, 1)  # vLLM convention, see module docstring
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    norm_before_residual: bool = False
+    attention_bias: bool = False
+    extra: dict = field(default_factory=dict)  # other config.json fields, written back unchanged
+
+    def to_hf(self, dtype: torch.dtype | None = None) -> dict:
+        cfg = dict(self.extra)
+        cfg.update({
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "norm_before_residual": self.norm_before_residual,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": False,
+        })
+        if dtype is not None:
+            cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        return cfg
+
+    @classmethod
+    def from_hf(cls, cfg: dict, target: ModelConfig | None = None) -> "Eagle3Config":
+        """Parse a head's config.json; ``target`` fills what published heads leave out."""
+        arch = (cfg.get("architectures") or [ARCHITECTURE])[0]
+        if arch != ARCHITECTURE:
+            raise ValueError(f"not an EAGLE-3 head: architectures = {cfg.get('architectures')}")
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise ValueError("only single-layer EAGLE-3 heads (num_hidden_layers = 1) are supported")
+        known = {"architectures", "model_type", "hidden_act", "hidden_size", "intermediate_size",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers",
+                 "vocab_size", "draft_vocab_size", "target_hidden_size",
+                 "eagle_aux_hidden_state_layer_ids", "rms_norm_eps", "rope_theta", "rope_scaling",
+                 "rope_parameters", "max_position_embeddings", "norm_before_residual",
+                 "attention_bias", "tie_word_embeddings", "torch_dtype", "dtype"}
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or (target.rope_theta if target else 10000.0)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if kind != "default" else None
+        n_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+        if not ids:
+            if target is None:
+                raise ValueError("config has no eagle_aux_hidden_state_layer_ids and no target was given")
+            ids = default_aux_layer_ids(target.n_layers)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or hidden // n_heads,
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size") or hidden,
+            aux_layer_ids=tuple(int(j) for j in ids),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            extra={k: v for k, v in cfg.items() if k not in known},
+        )
+
+    def model_config(self) -> ModelConfig:
+        """The head's one layer as a ``ModelConfig``: its RoPE tables and its ``KVCache`` (one
+        layer, the target's cache layout) are built from it."""
+        return ModelConfig(vocab_size=self.vocab_size, dim=self.hidden_size, n_layers=1,
+                           n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+                           rope_theta=self.rope_theta, norm_eps=self.rms_norm_eps,
+                           rope_scaling=self.rope_scaling)
+
+
+# -------------------------------------------------------------------------------------------- head
+class _Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.n_heads * self.hd, bias=bias)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
+                slots: Sequence[int] = (), starts: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        """Attention over the cache (writing the new K/V rows), or, without a cache, plain causal
+        self-attention over ``x`` (the differentiable teacher-forced path)."""
+        B, T, _ = x.shape
+        q = apply_rope(linear(x, self.q_proj).view(B, T, self.n_heads, self.hd), cos, sin)
+        k = apply_rope(linear(x, self.k_proj).view(B, T, self.n_kv, self.hd), cos, sin)
+        v = linear(x, self.v_proj).view(B, T, self.n_kv, self.hd)
+        if cache is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, enable_gqa=self.n_heads != self.n_kv,
+            )
+            return linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.o_proj)
+        span = mask.shape[-1]
+        kc, vc = cache.k[0], cache.v[0]  # the head's one layer: [slots, kv_heads, max_len, head_dim]
+        if B == 1:
+            s, a = slots[0], int(starts[0])
+            kc[s, :, a : a + T] = k[0].transpose(0, 1)
+            vc[s, :, a : a + T] = v[0].transpose(0, 1)
+            keys, vals = kc[s : s + 1, :, :span], vc[s : s + 1, :, :span]
+        else:
+            slots_t = torch.tensor(list(slots), device=x.device)
+            write = starts[:, None] + torch.arange(T, device=x.device)
+            rows = slots_t[:, None].expand(B, T)
+            kc[rows, :, write] = k
+            vc[rows, :, write] = v
+            keys, vals = kc[slots_t, :, :span], vc[slots_t, :, :span]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, vals,
+            attn_mask=mask.unsqueeze(1), enable_gqa=self.n_heads != self.n_kv,
+        )
+        return linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.o_proj)
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = _MLP(cfg)
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 head's weights plus its own KV cache; token embeddings are the target's."""
+
+    def __init__(self, cfg: Eagle3Config, embed: nn.Embedding | None = None):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = _MidLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        if cfg.draft_vocab_size == cfg.vocab_size:
+            self.t2d.fill_(True)
+        # Shared, not a submodule: it must not land in the checkpoint, nor be moved by .to().
+        object.__setattr__(self, "_shared_embed", embed)
+        self.embed_tokens: nn.Embedding | None = None  # only when a checkpoint ships its own
+        self.cache: KVCache | None = None
+        self._rope_len = 0
+
+    # ------------------------------------------------------------------------------- properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The target layers to tap (our convention: residual stream after the layer)."""
+        return taps_for(self.cfg.aux_layer_ids)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens(tokens.to(self.device)).to(self.dtype)
+        table = self._shared_embed
+        if table is None:
+            raise RuntimeError("the head has no token embeddings: pass the target's tok_embeddings")
+        # The target's embeddings are frozen as far as the head is concerned (EAGLE-3 trains without them).
+        return table(tokens.to(table.weight.device)).detach().to(device=self.device, dtype=self.dtype)
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target-vocabulary ids (``d + d2t[d]``)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # ------------------------------------------------------------------------------------ cache
+    def setup_cache(self, slots: int, max_len: int) -> KVCache:
+        self.cache = KVCache(self.cfg.model_config(), slots, max_len, self.dtype, self.device)
+        if self._rope_len < max_len:
+            cos, sin = rope_tables(self.cfg.model_config(), max_len)
+            self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
+            self._rope_len = max_len
+        return self.cache
+
+    # ---------------------------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def fuse(self, taps: Tensor) -> Tensor:
+        """``fc`` over the concatenated target taps ``[..., 3 * H_target]``."""
+        return linear(taps.to(device=self.device, dtype=self.dtype), self.fc)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        slots: Sequence[int],
+        *,
+        starts: Sequence[int] | None = None,
+        positions: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        advance: bool = True,
+    ) -> tuple[Tensor, Tensor]:
+        """One head step over ``tokens [B, T]`` (target ids) and ``hidden [B, T, H]``.
+
+        K/V are written at cache rows ``starts[b] + t`` (default: the slot's length). ``positions
+        [B, T]`` are the RoPE positions (default: the write rows). ``attn_mask [B, T, S]`` says which
+        cache rows ``0..S-1`` each token sees, ``S = max(starts) + T`` (default: causal, everything
+        below its own row). ``advance`` commits the new rows (``lengths = starts + T``); drafting
+        passes ``False`` so nothing needs rolling back. Returns ``(prenorm [B,T,H], logits [B,T,Vd])``.
+        """
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("call setup_cache() before forward()")
+        B, T = tokens.shape
+        dev = self.device
+        starts = [cache.lengths[s] for s in slots] if starts is None else list(starts)
+        span = max(starts) + T
+        if span > cache.max_len:
+            raise ValueError(f"the head's cache would exceed its length {cache.max_len}")
+        start_t = torch.tensor(starts, device=dev)
+        rows = start_t[:, None] + torch.arange(T, device=dev)
+        pos = rows if positions is None else positions.to(dev)
+        cos, sin = rope_cos_sin(self.rope_cos, self.rope_sin, pos, self.dtype)
+        if attn_mask is None:
+            mask = torch.arange(span, device=dev)[None, None, :] <= rows[:, :, None]
+        else:
+            mask = attn_mask.to(dev)
+
+        prenorm, logits = self._step(tokens, hidden, cos, sin, cache, slots, start_t, mask)
+        if advance:
+            for b, s in enumerate(slots):
+                cache.lengths[s] = starts[b] + T
+        return prenorm, logits
+
+    def _step(self, tokens: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, *attn_args) -> tuple[Tensor, Tensor]:
+        layer = self.midlayer
+        h = hidden.to(device=self.device, dtype=self.dtype)
+        hn = layer.hidden_norm(h)
+        x = torch.cat([layer.input_layernorm(self.embed(tokens)), hn], dim=-1)
+        resid = hn if layer.norm_before_residual else h
+        resid = resid + layer.self_attn(x, cos, sin, *attn_args)
+        prenorm = resid + layer.mlp(layer.post_attention_layernorm(resid))
+        return prenorm, linear(self.norm(prenorm), self.lm_head)
+
+    def teacher_forward(self, next_tokens: Tensor, taps: Tensor) -> Tensor:
+        """Differentiable training forward: logits ``[B, T, V_draft]`` for sequences of pairs
+        (``taps [B, T, 3*H_target]`` at positions ``0..T-1``, ``next_tokens [B, T]`` the tokens that
+        follow them), causal, no cache. Row i should predict the target's token at position i + 2.
+        This is EAGLE-3's first training step only (no training-time test over fed-back features).
+        """
+        T = next_tokens.shape[1]
+        if self._rope_len < T:
+            cos, sin = rope_tables(self.cfg.model_config(), T)
+            self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
+            self._rope_len = T
+        cos, sin = rope_cos_sin(self.rope_cos, self.rope_sin, torch.arange(T, device=self.device)[None], self.dtype)
+        return self._step(next_tokens, self.fc(taps.to(device=self.device, dtype=self.dtype)), cos, sin)[1]
+
+    # ------------------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(
+        cls,
+        target: Transformer,
+        draft_vocab_ids: Sequence[int] | None = None,
+        *,
+        draft_vocab_size: int | None = None,
+        seed: int = 0,
+        aux_layer_ids: Sequence[int] | None = None,
+        intermediate_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        warm_start: bool = False,
+    ) -> "Eagle3Head":
+        """A new head shaped for ``target`` (same width, heads and RoPE): random, or warm-started.
+
+        The draft vocabulary is ``draft_vocab_ids`` (sorted, deduplicated) or the first
+        ``draft_vocab_size`` ids (default: the whole target vocabulary). ``warm_start`` starts
+        training from the target instead of noise: the output layer is the target's rows for the
+        draft vocabulary, the final norm the target's, ``fc`` passes the highest tap through and
+        the layer adds nothing yet (zero output projections), so the untrained head already
+        decodes the target's late features. With a few hundred thousand training tokens this
+        generalises better than learning an 8k-row output layer from scratch.
+        """
+        t = target.cfg
+        if draft_vocab_ids is None:
+            ids = list(range(draft_vocab_size or t.vocab_size))
+        else:
+            ids = sorted(set(int(i) for i in draft_vocab_ids))
+        if not ids or ids[0] < 0 or ids[-1] >= t.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be non-empty and within [0, {t.vocab_size})")
+        cfg = Eagle3Config(
+            hidden_size=t.dim, intermediate_size=intermediate_size or t.intermediate_size,
+            num_attention_heads=t.n_heads, num_key_value_heads=t.n_kv_heads, head_dim=t.head_dim,
+            vocab_size=t.vocab_size, draft_vocab_size=len(ids), target_hidden_size=t.dim,
+            aux_layer_ids=tuple(aux_layer_ids or default_aux_layer_ids(t.n_layers)),
+            rms_norm_eps=t.norm_eps, rope_theta=t.rope_theta, rope_scaling=t.rope_scaling,
+            max_position_embeddings=t.max_position,
+        )
+        head = cls(cfg, target.tok_embeddings)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(torch.empty(p.shape).uniform_(0.8, 1.2, generator=gen))
+                elif p.dim() == 2:  # unit-variance outputs for unit-variance inputs
+                    bound = math.sqrt(3.0 / p.shape[1])
+                    p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=gen))
+                else:
+                    p.zero_()
+            head.set_draft_vocab(ids)
+            if warm_start:
+                H = t.dim
+                head.lm_head.weight.copy_(target.output.weight.detach()[torch.tensor(ids)].float())
+                head.norm.weight.copy_(target.norm.weight.detach().float())
+                head.fc.weight.zero_()
+                head.fc.weight[:, 2 * H:] = torch.eye(H)  # aux ids are low, mid, high: the high tap
+                head.midlayer.self_attn.o_proj.weight.zero_()
+                head.midlayer.mlp.down_proj.weight.zero_()
+        head.check_target(target)
+        head = head.to(device=target.device, dtype=dtype or target.dtype).eval()
+        pack_linears(head, head.device, head.dtype)  # bf16 CPU: oneDNN-prepacked, as the target's
+        return head
+
+    def set_draft_vocab(self, ids: Sequence[int]) -> None:
+        """Fill ``d2t`` / ``t2d`` for the sorted target ids ``ids`` of the draft vocabulary."""
+        ids_t = torch.tensor(list(ids), dtype=torch.long)
+        if ids_t.numel() != self.cfg.draft_vocab_size or bool((ids_t[1:] <= ids_t[:-1]).any()):
+            raise ValueError("draft vocabulary ids must be strictly increasing, one per draft id")
+        self.d2t.copy_(ids_t - torch.arange(ids_t.numel()))
+        self.t2d.zero_()
+        self.t2d[ids_t] = True
+
+    def check_target(self, target: Transformer) -> None:
+        c, t = self.cfg, target.cfg
+        problems = []
+        if c.target_hidden_size != t.dim:
+            problems.append(f"target_hidden_size {c.target_hidden_size} != target width {t.dim}")
+        if c.vocab_size != t.vocab_size:
+            problems.append(f"vocab_size {c.vocab_size} != target vocabulary {t.vocab_size}")
+        if self.embed_tokens is None and c.hidden_size != t.dim:
+            problems.append(f"hidden_size {c.hidden_size} != target embedding width {t.dim} "
+                            "(the head shares the target's embeddings)")
+        if any(not 1 <= j <= t.n_layers for j in c.aux_layer_ids):
+            problems.append(f"aux layer ids {c.aux_layer_ids} outside 1..{t.n_layers}")
+        if problems:
+            raise ValueError("EAGLE-3 head does not fit the target: " + "; ".join(problems))
+
+    # ---------------------------------------------------------------------------------- save/load
+    def save(self, folder: str | Path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` in the published EAGLE-3 layout."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(self.cfg.to_hf(self.dtype), indent=2) + "\n")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> "Eagle3Head":
+        """Load a head folder (ours or a published one: safetensors, or ``pytorch_model.bin``)."""
+        folder = Path(folder)
+        cfg_path = folder / "config.json"
+        if not cfg_path.exists():
+            raise ValueError(f"{folder} has no config.json: not an EAGLE-3 head folder")
+        cfg = Eagle3Config.from_hf(json.loads(cfg_path.read_text()), target.cfg)
+        state: dict[str, Tensor] = {}
+        files = sorted(glob.glob(str(folder / "*.safetensors")))
+        if files:
+            from safetensors.torch import load_file
+
+            for f in files:
+                state.update(load_file(f))
+        elif (folder / "pytorch_model.bin").exists():
+            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise ValueError(f"{folder} has no *.safetensors or pytorch_model.bin")
+        head = cls(cfg, target.tok_embeddings)
+        if "embed_tokens.weight" in state:
+            w = state["embed_tokens.weight"]
+            head.embed_tokens = nn.Embedding(w.shape[0], w.shape[1])
+        if "d2t" not in state:  # full-vocabulary heads may omit the map
+            if cfg.draft_vocab_size != cfg.vocab_size:
+                raise ValueError("checkpoint has a reduced draft vocabulary but no d2t map")
+            state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        if "t2d" not in state:
+            ids = torch.arange(cfg.draft_vocab_size) + state["d2t"].long()
+            state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            state["t2d"][ids] = True
+        state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
+        expected = set(head.state_dict())
+        missing, unexpected = expected - set(state), set(state) - expected
+        if missing or unexpected:
+            raise ValueError(f"EAGLE-3 checkpoint keys do not match: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        head.check_target(target)
+        head.load_state_dict(state, strict=True)
+        head = head.to(device=target.device, dtype=dtype or target.dtype).eval()
+        pack_linears(head, head.device, head.dtype)  # bf16 CPU: oneDNN-prepacked, as the target's
+        return head
+
+
+SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "assets" / "eagle3-smollm2"
+
+
+def shipped_head(target: Transformer) -> Eagle3Head:
+    """The EAGLE-3 head trained for the default model by jobs/train_eagle3.py, checksum-pinned."""
+    import hashlib
+
+    pin_file = SHIPPED_HEAD / "checksum.json"
+    if not pin_file.exists():
+        raise ValueError("no EAGLE-3 head is shipped for this model: pass --eagle3-head FOLDER")
+    pin = json.loads(pin_file.read_text())
+    digest = hashlib.sha256((SHIPPED_HEAD / WEIGHTS_FILE).read_bytes()).hexdigest()
+    if digest != pin["sha256"]:
+        raise ValueError(f"shipped EAGLE-3 head fails its checksum ({digest} != {pin['sha256']})")
+    if target.cfg.dim != pin.get("target_hidden_size", target.cfg.dim) or target.cfg.vocab_size != pin.get(
+            "target_vocab_size", target.cfg.vocab_size):
+        raise ValueError("the shipped EAGLE-3 head is for SmolLM2-135M-Instruct; pass --eagle3-head for this model")
+    return Eagle3Head.load(SHIPPED_HEAD, target)
