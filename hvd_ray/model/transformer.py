@@ -152,7 +152,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     kernel. ``bias`` [B, 1, G*T, S] is 0 / -inf (see ``mask_bias``) or None.
     """
     B, T, H, D = q.shape
-    KV, S = k.shape[1], k.shape[2]
+    KV = k.shape[1]
     G = H // KV
     qg = q.to(k.dtype).view(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
     scores = torch.matmul(qg * (D ** -0.5), k.transpose(2, 3)).float()  # [B, KV, G*T, S]
