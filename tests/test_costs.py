@@ -50,6 +50,52 @@ def test_the_batch_cap_weighs_the_padded_width_against_every_row_s_gain():
     assert batch_cap([0, 32], sure, costs) == 32
 
 
+def test_the_batch_cap_is_sized_before_the_model_drafter_runs(tiny_llama):
+    """Under a cost policy the engine decides a batch's common draft length before drafting: at
+    cap 0 the model drafter is not asked at all (its drafts would be thrown away), otherwise it is
+    asked for no more than the cap; the records say the cap cut the draft (the cost policy does not
+    learn the drafter's acceptance from them), and the output stays plain greedy's."""
+    from hvd_ray.drafters.layerskip import LayerSkipDrafter
+    from hvd_ray.engine import Engine, SamplingParams
+    from hvd_ray.engine.engine import Choice
+
+    model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
+    asked = []
+
+    class Counted(LayerSkipDrafter):
+        def propose(self, reqs):
+            asked.extend(r.max_tokens for r in reqs)
+            return super().propose(reqs)
+
+    drafter = Counted(model, [(1, "attn")], min_prob=0.0)
+
+    class Expecting:  # a cost policy that always picks the model drafter and expects `gain` tokens of it
+        costs = StepCosts({1: 1.0, 8: 1.2, 16: 2.0, 64: 6.0})
+
+        def __init__(self, gain: float):
+            self.gain = gain
+
+        def __call__(self, req, engine):
+            return Choice(drafter, gains=[min(float(j), self.gain) for j in range(engine.num_draft_tokens + 1)])
+
+    prompts = [[5, 17, 33, 2], [11, 12, 13, 11], [200, 3, 45, 45]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain = [r.output for r in Engine(model, max_batch=4, max_len=64).generate(prompts, params)]
+    # 3 rows: expecting nothing, no draft pays; 2 tokens each, a 3 x 3-wide step; 6 each, the whole budget
+    for gain, cap in ((0.0, 0), (2.0, 2), (6.0, 6)):
+        assert batch_cap([6] * 3, [[min(float(j), gain) for j in range(7)]] * 3, Expecting.costs) == cap
+        asked.clear()
+        eng = Engine(model, drafters=[drafter], policy=Expecting(gain), max_batch=4, max_len=64, num_draft_tokens=6)
+        reqs = eng.generate(prompts, params)
+        assert [r.output for r in reqs] == plain
+        shared = [s for r in reqs for s in r.stats.steps[:2]]  # the first steps: all three rows decode together
+        if cap == 0:
+            assert not asked and all(s.capped and s.source == "none" for s in shared)
+        else:
+            assert asked and max(asked) <= cap and all(s.drafted <= cap for s in shared)
+            assert all(s.capped == (cap < 6) for s in shared)
+
+
 def test_the_suffix_cache_drafts_past_the_model_budget_losslessly(default_folder):
     """num_draft_tokens caps model drafts; the suffix cache drafts by its match up to
     cache_draft_tokens (as SuffixDecoding), and the output is still plain greedy's (fp32)."""

@@ -226,8 +226,9 @@ class Engine:
         return max(0, min(cap, r.params.max_tokens - len(r.output) - 1,
                           self.max_len - self.model.cache.lengths[r.slot] - 1))
 
-    def _drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[float | None]]:
-        """Each request's draft for this step, from the source its policy chose.
+    def _drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[float | None], list[bool]]:
+        """Each request's draft for this step, from the source its policy chose (with the predicted
+        yield, and whether the batch's common draft length cut it).
 
         A policy returns a drafter (or None), or a :class:`Choice` that may carry a draft it already
         made (a selection policy drafts from the cache to decide) and its predicted yield. Requests
@@ -249,26 +250,32 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, "draft selection")
                 choices.append(Choice(None))
-        drafts: list[Draft] = [Draft() for _ in reqs]
+        # Under a cost policy a shared batch gets one draft length (costs.batch_cap), sized before any
+        # model drafter runs: a draft the cap would cut is not drafted past it, nor at all at cap 0.
+        cap, costs = None, getattr(self.policy, "costs", None)
+        capped = [False] * len(reqs)  # the cap cut the draft (the policy does not learn the drafter from it)
+        if costs is not None and len(reqs) > 1 and all(c.gains is not None for c in choices):
+            planned = [0 if c.drafter is None or r.finished else self.draft_budget(r, c.drafter) if c.draft is None
+                       else min(len(c.draft), self.draft_budget(r, c.drafter)) for r, c in zip(reqs, choices)]
+            cap = batch_cap(planned, [c.gains for c in choices], costs)
+            capped = [n > cap for n in planned]
         for src in {id(c.drafter): c.drafter for c in choices if c.drafter is not None}.values():
-            idxs = [i for i, c in enumerate(choices) if c.drafter is src and c.draft is None]
-            if idxs:
-                for i, d in zip(idxs, self._propose(src, [reqs[i] for i in idxs])):
+            idxs = [i for i, c in enumerate(choices) if c.drafter is src and c.draft is None and not reqs[i].finished]
+            if idxs and cap != 0:
+                for i, d in zip(idxs, self._propose(src, [reqs[i] for i in idxs], cap)):
                     choices[i].draft = d
+        drafts: list[Draft] = [Draft() for _ in reqs]
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None and not r.finished:
-                drafts[i] = c.draft.truncated(self.draft_budget(r, c.drafter))
-        costs = getattr(self.policy, "costs", None)
-        if costs is not None and len(reqs) > 1 and all(c.gains is not None for c in choices):
-            cap = batch_cap([len(d) for d in drafts], [c.gains for c in choices], costs)
-            drafts = [d.truncated(cap) for d in drafts]
-        return drafts, [c.predicted for c in choices]
+                drafts[i] = c.draft.truncated(min(self.draft_budget(r, c.drafter), len(c.draft) if cap is None else cap))
+        return drafts, [c.predicted for c in choices], capped
 
-    def _propose(self, src: Drafter, reqs: list[Request]) -> list[Draft | None]:
-        """``src.propose`` for the batch; if it raises, once per request, failing only the ones that
-        raise again (a batched call cannot say whose request broke it)."""
+    def _propose(self, src: Drafter, reqs: list[Request], cap: int | None = None) -> list[Draft | None]:
+        """``src.propose`` for the batch (each draft at most ``cap`` tokens); if it raises, once per
+        request, failing only the ones that raise again (a batched call cannot say whose request broke it)."""
         def ask(r: Request) -> DraftRequest:
-            return DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, src))
+            budget = self.draft_budget(r, src)
+            return DraftRequest(r.req_id, r.slot, r.tokens, budget if cap is None else min(budget, cap))
 
         where = f"drafting ({src.name})"
         try:
@@ -291,7 +298,7 @@ class Engine:
         """One decoding step for the running requests: draft, let the slim tier (if any) settle or
         repair each draft, verify the rest with one target forward, then record and emit."""
         t0 = time.perf_counter()
-        reqs, drafts, predicted = self._live_drafts(reqs)
+        reqs, drafts, predicted, capped = self._live_drafts(reqs)
         if not reqs:
             return []
         t1 = time.perf_counter()
@@ -320,7 +327,7 @@ class Engine:
                 path, nxt = verified[b]
                 emitted, accepted = [d.token_ids[i] for i in path] + [nxt], len(path)
             req.stats.steps.append(StepRecord(
-                d.source or "none", len(d), accepted, draft_s / B, verify_s / B, predicted[b],
+                d.source or "none", len(d), accepted, draft_s / B, verify_s / B, predicted[b], capped=capped[b],
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
                 full_forward=b not in settled))
             try:
@@ -430,11 +437,12 @@ class Engine:
                 results.append(None)
         return results
 
-    def _live_drafts(self, reqs: list[Request]) -> tuple[list[Request], list[Draft], list[float | None]]:
+    def _live_drafts(self, reqs: list[Request]) -> tuple[list[Request], list[Draft], list[float | None], list[bool]]:
         """``_drafts`` for the batch, less the requests that failed while drafting."""
-        drafts, predicted = self._drafts(reqs)
+        drafts, predicted, capped = self._drafts(reqs)
         live = [i for i, r in enumerate(reqs) if not r.finished]
-        return [reqs[i] for i in live], [drafts[i] for i in live], [predicted[i] for i in live]
+        return ([reqs[i] for i in live], [drafts[i] for i in live], [predicted[i] for i in live],
+                [capped[i] for i in live])
 
     @staticmethod
     def _verify(req: Request, d: Draft, logits: torch.Tensor, walk, best) -> tuple[list[int], int]:

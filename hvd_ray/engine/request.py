@@ -54,6 +54,7 @@ class StepRecord:
     draft_s: float
     verify_s: float
     predicted: float | None = None  # the yield predictor's estimate, when a policy used one
+    capped: bool = False  # the batch's common draft length cut this draft (engine/costs.py:batch_cap)
     # slim tier (VIA-SD, verification/tiered.py): draft tokens q' accepted, tokens q' supplied
     # (repair / regeneration / bonus), draft tokens escalated to q; whether q ran this step
     slim_accepted: int = 0

@@ -361,7 +361,7 @@ class CostPolicy(Policy):
         ema = lambda old, x: x if old is None else (1 - a) * old + a * x  # noqa: E731
         if rec.verify_s > 0:
             self.forward_s = ema(self.forward_s, rec.verify_s / self.costs.per_row(1 + rec.drafted, self._batch))
-        if self.model is not None and rec.source == self.model.name:
+        if self.model is not None and rec.source == self.model.name and not rec.capped:
             self.model_accept = ema(self.model_accept, float(rec.accepted))
             self.model_len_seen = ema(self.model_len_seen, float(rec.drafted))
             if self.forward_s:
@@ -448,7 +448,8 @@ class CostPolicy(Policy):
             st = self._per_req[req_id] = [0.0, 0.0, 0.0]  # model steps, accepted, drafted
             while len(self._per_req) > 4096:  # finished requests age out
                 self._per_req.popitem(last=False)
-        if rec is not None and self.model is not None and rec.source == self.model.name:
+        # a draft the batch cap cut says little about the drafter (and would talk the next cap down)
+        if rec is not None and self.model is not None and rec.source == self.model.name and not rec.capped:
             st[0] += 1
             st[1] += rec.accepted
             st[2] += rec.drafted
