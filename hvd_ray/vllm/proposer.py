@@ -1,0 +1,229 @@
+"""HVD's cache side as a vLLM speculative proposer (vLLM's ``custom_class`` method).
+
+    from vllm import LLM
+    llm = LLM(model=..., speculative_config={"method": "custom_class",
+                                             "model": "hvd_ray.vllm.HvdProposer",
+                                             "num_speculative_tokens": 32})
+
+vLLM (checked on 0.32) builds the class from its ``VllmConfig`` inside the model runner, calls
+``load_model(model)`` once, and after every step's sampled tokens are booked calls
+``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``: per batch row
+the tokens that step emitted (empty for a prefill chunk), the row's length and its tokens (prompt +
+output). It takes one draft per row back, of any length up to ``num_speculative_tokens`` (empty: a
+plain decoding step), and verifies them, so greedy output stays vLLM's own greedy output.
+
+The drafts come from our :class:`~hvd_ray.drafters.suffix.SuffixDrafter` (a tree per request over
+its prompt and output, and the global tree over every request's output), and the policy decides per
+request and step as it does in our engine: :class:`HvdProposer` (``cost``) verifies the cache draft
+only where its expected yield, from the yield predictor ``g_θ(φ_t)`` or the draft's tree
+probabilities (each calibrated online against what the step then emitted), pays for the longer
+forward, and cuts it to the length that pays best; :class:`HvdTauProposer` verifies it whole when
+``ŷ > τ``; :class:`SuffixProposer` verifies every cache draft whole (our trees alone).
+
+Rows, not requests: vLLM tells a custom proposer no request ids (nor a request's ``max_tokens``), so
+each row is matched by content to the request it continues: the request whose tokens are the row's
+first tokens and whose length plus the tokens just emitted is the row's length. A row that continues
+nobody starts a request (its prompt: the row minus the emitted tokens). A request missing from the
+batch for ``AWAY_STEPS`` steps (finished, or preempted for that long) is ended: its output is already
+in the global tree, which grows with every live output. Matching by content cannot tell apart two
+requests whose tokens are identical so far; the drafts they get are then identical too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from ..drafters.suffix import SuffixConfig, SuffixDrafter
+from ..selection.features import VocabFlags, features
+from ..selection.hvd import load_predictor, suffix_config
+from ..selection.policy import CACHE, VERIFY_COST, CostPolicy, StepView, TauPolicy, nominal, unextended
+
+# The draft length φ_t describes: the engine's default model-drafter budget, the one trace replay
+# labelled the predictor's training rows at.
+NOMINAL = 8
+AWAY_STEPS = 8  # propose calls a request may miss (not scheduled, preempted) before it is ended
+HISTORY = 16  # history features read the last 16 steps
+
+
+class _Req:
+    """One request as the proposer follows it: its tokens (a growing numpy buffer, to match rows),
+    prompt length, output and the (cache chosen, accepted) history of its verify steps."""
+
+    __slots__ = ("key", "buf", "n", "prompt_len", "output", "history", "drafted", "away")
+
+    def __init__(self, key: int, prompt: np.ndarray):
+        self.key = key
+        self.buf = np.zeros(max(64, 2 * len(prompt)), np.int32)
+        self.buf[: len(prompt)] = prompt
+        self.n = self.prompt_len = len(prompt)
+        self.output: list[int] = []
+        self.history: list[tuple[bool, int]] = []
+        self.drafted = 0  # tokens of the draft proposed for it last step (0: none)
+        self.away = 0
+
+    @property
+    def req_id(self) -> int:  # (CostPolicy.shadow reads ``req_id`` and ``output``)
+        return self.key
+
+    def continues(self, row: np.ndarray, n: int, k: int) -> bool:
+        return n == self.n + k and np.array_equal(row[: self.n], self.buf[: self.n])
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        end = self.n + len(tokens)
+        if end > len(self.buf):
+            self.buf = np.concatenate([self.buf, np.zeros(max(end, len(self.buf)), np.int32)])
+        self.buf[self.n: end] = tokens
+        self.n = end
+        self.output.extend(tokens)
+
+
+class HvdProposer:
+    """HVD's cache side (the ``cost`` policy) for vLLM's ``custom_class`` method; see the module
+    docstring. Settings from the environment: ``HVD_RAY_PREDICTOR`` (a yield-predictor folder;
+    default the shipped one), ``HVD_VLLM_MAX_TOKENS`` (the ``max_tokens`` φ_t's relative position
+    assumes, since vLLM does not tell a proposer; default 256), ``HVD_VLLM_VERIFY_COST`` (JSON
+    ``{tokens: cost}``: a forward over that many new tokens relative to a 1-token one, on this
+    hardware; default ``selection/policy.py:VERIFY_COST``, a GPU-like curve where long drafts are
+    nearly free)."""
+
+    policy = "cost"
+
+    def __init__(self, vllm_config) -> None:
+        spec = vllm_config.speculative_config
+        mc = vllm_config.model_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(mc.max_model_len)
+        self.max_tokens = int(os.environ.get("HVD_VLLM_MAX_TOKENS", "256"))
+        self.cache = SuffixDrafter(suffix_config(self.policy) if self.policy != "always-cache" else SuffixConfig())
+        self.decider = None
+        if self.policy != "always-cache":
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
+            self.flags = VocabFlags.from_tokenizer(tok, int(mc.get_vocab_size()))
+            g = load_predictor(os.environ.get("HVD_RAY_PREDICTOR") or None)
+            cost = os.environ.get("HVD_VLLM_VERIFY_COST")
+            table = {int(w): float(c) for w, c in json.loads(cost).items()} if cost else VERIFY_COST
+            self.decider = (CostPolicy(g, self.cache, None, self.flags, cost_table=table) if self.policy == "cost"
+                            else TauPolicy(g, self.cache, None, self.flags))
+        self._rows: list[_Req | None] = []  # the request in each row last step
+        self._reqs: dict[int, _Req] = {}  # live requests by key
+        self._next = 0
+        self.counts = {"requests": 0, "steps": 0, "cache_steps": 0, "drafted": 0, "accepted": 0}
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM calls this with the target model; the trees need nothing from it."""
+
+    # ------------------------------------------------------------------ vLLM's hook
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings=None, **_) -> list[list[int]]:
+        rows = self._track(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        batch = sum(r is not None for r in rows)
+        out = []
+        for i, r in enumerate(rows):
+            draft = self._draft(r, int(num_tokens_no_spec[i]), batch) if r is not None else []
+            if r is not None:
+                r.drafted = len(draft)
+            out.append(draft)
+        return out
+
+    # ------------------------------------------------------------------ rows -> requests
+    def _track(self, sampled: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray) -> list[_Req | None]:
+        """Match each row that emitted tokens to the request it continues (or start one), feed the
+        emitted tokens to the trees and the policy, and end requests away for too long."""
+        free = dict(self._reqs)  # not yet matched this step
+        rows: list[_Req | None] = [None] * len(sampled)
+        for i, s in enumerate(sampled):
+            if not s:  # a prefill chunk (or a discarded row): nothing to draft for
+                continue
+            n, row, k = int(num_tokens[i]), token_ids[i], len(s)
+            r = self._rows[i] if i < len(self._rows) else None
+            if r is None or r.key not in free or not r.continues(row, n, k):
+                r = next((c for c in free.values() if c.continues(row, n, k)), None)
+            if r is None:
+                r = self._begin(row[: n - k])
+            else:
+                del free[r.key]
+            self._accept(r, [int(t) for t in s])
+            rows[i] = r
+        for r in free.values():
+            r.away += 1
+            if r.away >= AWAY_STEPS:
+                self._end(r)
+        self._rows = rows
+        return rows
+
+    def _begin(self, prompt: np.ndarray) -> _Req:
+        r = _Req(self._next, np.asarray(prompt, np.int32))
+        self._next += 1
+        self._reqs[r.key] = r
+        self.cache.begin(r.key, r.buf[: r.n].tolist())
+        self.counts["requests"] += 1
+        return r
+
+    def _accept(self, r: _Req, tokens: list[int]) -> None:
+        r.away = 0
+        if r.output:  # tokens of a verify step: the accepted draft tokens + the target's own
+            accepted = len(tokens) - 1
+            r.history.append((r.drafted > 0, accepted))
+            if len(r.history) > HISTORY:
+                del r.history[0]
+            self.counts["steps"] += 1
+            if r.drafted:
+                self.counts["cache_steps"] += 1
+                self.counts["drafted"] += r.drafted
+                self.counts["accepted"] += accepted
+        r.extend(tokens)
+        self.cache.accept(r.key, tokens)
+        if isinstance(self.decider, CostPolicy):
+            self.decider.shadow(r, True)  # score earlier steps' cache drafts on what was emitted
+
+    def _end(self, r: _Req) -> None:
+        del self._reqs[r.key]
+        self.cache.end(r.key)
+
+    # ------------------------------------------------------------------ the decision
+    def _draft(self, r: _Req, n: int, batch: int) -> list[int]:
+        room = min(self.k, self.max_model_len - n - 1)
+        if room <= 0:
+            return []
+        long = self.cache.speculate(r.key, room)
+        if self.decider is None or not len(long):
+            return list(long.token_ids)
+        draft = nominal(long, min(NOMINAL, room, unextended(long, self.cache)))
+        phi = features(draft, prompt_len=r.prompt_len, generated=len(r.output), max_tokens=self.max_tokens,
+                       last_token=r.output[-1], history=r.history, flags=self.flags)
+        view = StepView(phi, len(draft), 0, cache_long=len(long), batch=batch, cache_probs=long.probs)
+        if isinstance(self.decider, CostPolicy):
+            key = CostPolicy.cache_key(draft.source, draft.match_len, len(r.output))
+            choice, y = self.decider.decide(view, key)
+            self.decider.remember(r.key, long, y, key, len(r.output), view)
+        else:
+            choice, _ = self.decider.decide(view)
+        if choice != CACHE:
+            return []
+        return list(long.token_ids[: view.take if view.take is not None else len(long)])
+
+    def stats(self) -> dict:
+        """Counts since start: requests seen, verify steps, steps that verified a cache draft, draft
+        tokens proposed on them and accepted."""
+        return dict(self.counts, live=len(self._reqs))
+
+
+class HvdTauProposer(HvdProposer):
+    """The paper's rule: verify the cache draft (whole) when ``ŷ > 6``, else decode plainly."""
+
+    policy = "tau"
+
+
+class SuffixProposer(HvdProposer):
+    """Our suffix trees alone: every cache draft is verified whole (SuffixDecoding's settings)."""
+
+    policy = "always-cache"
+
+
+__all__ = ["HvdProposer", "HvdTauProposer", "SuffixProposer"]

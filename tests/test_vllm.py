@@ -1,0 +1,249 @@
+"""HVD inside vLLM (``hvd_ray.vllm``): the proposer's request tracking on a simulated vLLM batch
+(always), and, where the vLLM interpreter exists, the proposer inside real vLLM (fp32 greedy output
+token-identical to vLLM's own greedy on 20 real prompts)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+VLLM_PYTHON = os.environ.get("HVD_VLLM_PYTHON", str(Path.home() / ".cache/hvd-peers/vllm/bin/python"))
+needs_vllm = pytest.mark.skipif(not Path(VLLM_PYTHON).exists(),
+                                reason="no vLLM interpreter (bash ../shared/peers/setup_vllm.sh)")
+
+
+def config(k: int = 16, tokenizer: str = "", vocab: int = 0, max_len: int = 512):
+    """The parts of vLLM's ``VllmConfig`` the proposer reads."""
+    mc = SimpleNamespace(max_model_len=max_len, tokenizer=tokenizer, trust_remote_code=False,
+                         get_vocab_size=lambda: vocab)
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k), model_config=mc)
+
+
+class FakeRunner:
+    """vLLM's persistent batch as a custom proposer sees it: rows of ``token_ids_cpu`` with
+    ``num_tokens_no_spec``; finished requests leave and the last row moves into the hole (vLLM's
+    condense). The target is a fixed function of the context (greedy), verified here."""
+
+    def __init__(self, proposer, target, rows: int = 4, max_len: int = 512):
+        self.p, self.target = proposer, target
+        self.tokens = np.zeros((rows, max_len), np.int32)
+        self.n = np.zeros(rows, np.int32)
+        self.reqs: list[dict] = []  # per row: {"name", "left", "draft"}
+        self.forwards = 0
+
+    def add(self, name: str, prompt: list[int], max_tokens: int) -> None:
+        i = len(self.reqs)
+        self.tokens[i, : len(prompt)] = prompt
+        self.n[i] = len(prompt)
+        self.reqs.append({"name": name, "left": max_tokens, "draft": [], "out": []})
+
+    def step(self) -> dict[str, list[int]]:
+        """One forward for every row: verify its draft, emit, then propose; returns finished outputs."""
+        self.forwards += 1
+        sampled = []
+        for i, r in enumerate(self.reqs):
+            ctx = list(self.tokens[i, : self.n[i]])
+            got = []
+            for t in r["draft"] + [None]:
+                want = self.target(ctx + got)
+                got.append(want)
+                if t != want or len(got) >= r["left"]:
+                    break
+            got = got[: r["left"]]
+            self.tokens[i, self.n[i]: self.n[i] + len(got)] = got
+            self.n[i] += len(got)
+            r["left"] -= len(got)
+            r["out"] += got
+            sampled.append(got)
+        drafts = self.p.propose(sampled, self.n.copy(), self.tokens)
+        done = {}
+        for i in reversed(range(len(self.reqs))):
+            self.reqs[i]["draft"] = list(drafts[i])
+            if self.reqs[i]["left"] <= 0:
+                done[self.reqs[i]["name"]] = self.reqs[i]["out"]
+                last = len(self.reqs) - 1  # condense: the last row moves into the hole
+                self.tokens[i], self.n[i] = self.tokens[last], self.n[last]
+                self.reqs[i] = self.reqs[last]
+                self.reqs.pop()
+        return done
+
+    def run(self) -> dict[str, list[int]]:
+        done = {}
+        while self.reqs:
+            done.update(self.step())
+        return done
+
+
+def cyclic(period: int):
+    """A toy greedy target that repeats its last ``period`` tokens (text that repeats)."""
+    return lambda ctx: ctx[-period]
+
+
+def hashed(ctx):
+    """A toy greedy target that does not repeat itself soon: a hash of the last three tokens."""
+    return (ctx[-1] * 31 + ctx[-2] * 17 + ctx[-3] * 7) % 997 + 1
+
+
+def greedy_outputs(target, prompts, max_tokens):
+    out = {}
+    for name, p in prompts.items():
+        ctx = list(p)
+        for _ in range(max_tokens):
+            ctx.append(target(ctx))
+        out[name] = ctx[len(p):]
+    return out
+
+
+def test_rows_are_followed_as_requests_through_a_changing_batch():
+    """Requests join, finish and move rows (vLLM's condense); the proposer keeps one tree per
+    request, drafts that the target accepts, ends finished requests once they stay away, and a
+    repeated prompt drafts from the global tree of past outputs."""
+    from hvd_ray.vllm import SuffixProposer
+    from hvd_ray.vllm.proposer import AWAY_STEPS
+
+    p = SuffixProposer(config(k=16))
+    rng = np.random.default_rng(0)
+    prompts = {f"r{i}": [int(t) for t in rng.integers(1, 50, size=12 + i)] for i in range(4)}
+    lengths = {"r0": 20, "r1": 60, "r2": 35, "r3": 80}
+    fake = FakeRunner(p, cyclic(5))
+    for name, ids in prompts.items():
+        fake.add(name, ids, lengths[name])
+    outs = fake.run()
+    assert outs == {n: o[: lengths[n]] for n, o in greedy_outputs(cyclic(5), prompts, 80).items()}
+    assert p.counts["requests"] == 4  # no row was taken for a new request after a move
+    assert p.counts["accepted"] > 0.5 * sum(lengths.values()) and fake.forwards < 0.5 * max(lengths.values())
+    for _ in range(AWAY_STEPS):  # finished requests end once they stay away
+        p.propose([], np.zeros(0, np.int32), np.zeros((0, 512), np.int32))
+    assert p.stats()["live"] == 0 and p.cache.live_requests() == 0 and len(p.cache.cached_requests) == 4
+
+    q = {"q": [3, 1, 4, 1, 5, 9, 2, 6]}
+    first = FakeRunner(p, hashed)
+    first.add("q", q["q"], 48)
+    assert first.run() == greedy_outputs(hashed, q, 48)
+    again = FakeRunner(p, hashed)  # the same prompt again: its answer is in the global tree
+    again.add("q", q["q"], 48)
+    assert again.run() == greedy_outputs(hashed, q, 48)
+    assert first.forwards > 30 and again.forwards <= 10, (first.forwards, again.forwards)
+    assert p.counts["requests"] == 6
+
+
+def test_identical_prompts_in_two_rows_and_prefill_rows():
+    """Two rows with the same prompt are two requests; rows still in prefill get no draft."""
+    from hvd_ray.vllm import SuffixProposer
+
+    p = SuffixProposer(config(k=8))
+    tokens = np.zeros((3, 64), np.int32)
+    tokens[:2, :7] = [1, 2, 3, 1, 2, 3, 1]
+    tokens[2, :4] = [9, 9, 9, 9]
+    drafts = p.propose([[1], [1], []], np.array([7, 7, 4]), tokens)
+    assert drafts[0] == drafts[1] != [] and drafts[2] == []
+    assert p.counts["requests"] == 2
+
+
+def test_hvd_proposer_decides_with_the_predictor(default_folder):
+    """The cost policy's proposer (real tokenizer flags, the shipped predictor) verifies cache drafts
+    on repeating text and keeps the engine's greedy output; its counts add up."""
+    from hvd_ray.vllm import HvdProposer
+
+    p = HvdProposer(config(k=32, tokenizer=str(default_folder), vocab=49152))
+    target = cyclic(9)
+    prompts = {"a": list(range(100, 130)), "b": list(range(200, 214))}
+    fake = FakeRunner(p, target)
+    for name, ids in prompts.items():
+        fake.add(name, ids, 64)
+    assert fake.run() == greedy_outputs(target, prompts, 64)
+    s = p.stats()
+    assert s["requests"] == 2 and s["cache_steps"] > 0 and s["accepted"] > 64 and fake.forwards < 40
+    assert p.decider.cache_scale  # calibrated online from what the steps emitted
+
+
+def test_nothing_but_hvd_ray_vllm_imports_it():
+    """The core never imports the vLLM integration (tests/test_layers.py places it in layer 7)."""
+    from test_layers import graph
+
+    edges, _ = graph()
+    users = {m for m, deps in edges.items() for _, d in deps if d.startswith("hvd_ray.vllm")
+             and not m.startswith("hvd_ray.vllm")}
+    assert not users, users
+
+
+# ------------------------------------------------------------------------------ inside real vLLM
+def real_prompts(tok, per_workload: int = 5) -> list[list[int]]:
+    from hvd_ray.workloads import load_workload, render
+
+    out = []
+    for w in ("code", "chat", "function_calling", "code_edit"):
+        taken = 0
+        for p in load_workload(w, split="test"):
+            ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]
+            if len(ids) <= 600:
+                out.append(ids)
+                taken += 1
+            if taken == per_workload:
+                break
+    return out
+
+
+@needs_vllm
+def test_hvd_proposer_in_vllm_is_greedy_identical(default_folder):
+    """vLLM with ``hvd_ray.vllm.HvdProposer`` (custom_class), fp32 greedy, 20 real prompts batched:
+    token-identical to vLLM's own greedy, with fewer target forwards."""
+    from transformers import AutoTokenizer
+
+    from hvd_ray.bench.peers import VLLM_HVD_METHODS, run_vllm_job
+
+    prompts = real_prompts(AutoTokenizer.from_pretrained(default_folder))
+    assert len(prompts) == 20
+    job = {"model": str(default_folder), "prompts": prompts, "max_tokens": 48, "threads": 2, "dtype": "float32",
+           "batch": True, "inproc": True, "count": True,
+           "methods": {"vllm-greedy": None, "vllm-hvd": VLLM_HVD_METHODS["vllm-hvd"]}}
+    res = run_vllm_job(VLLM_PYTHON, job, timeout=600)["methods"]
+    assert "error" not in res["vllm-hvd"], res["vllm-hvd"]
+    greedy, ours = res["vllm-greedy"], res["vllm-hvd"]
+    assert len(ours["outputs"]) == 20 and ours["outputs"] == greedy["outputs"]
+    stats = ours["proposer"]
+    assert stats["requests"] == 20 and stats["live"] <= 20 and stats["accepted"] > 0
+    assert ours["per_prompt"][0][2] < greedy["per_prompt"][0][2]  # fewer target forwards
+
+
+@needs_vllm
+def test_collect_traces_with_the_vllm_backend(tmp_path, default_folder):
+    """``collect_traces --backend vllm --vllm-python``: a Ray Data job whose actor runs vLLM in that
+    interpreter writes the trace schema, the traces replay in label_traces' labeler, and fp32 greedy
+    output equals our engine's."""
+    import subprocess
+    import sys
+
+    from hvd_ray.engine import Engine, SamplingParams
+    from hvd_ray.model import load
+    from hvd_ray.traces import TRACE_SCHEMA, read_traces
+    from hvd_ray.traces.replay import ReplayConfig, TraceLabeler, read_trace_table
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "traces"
+    cmd = [sys.executable, str(root / "jobs" / "collect_traces.py"), "--workload", "code", "--split", "test",
+           "--limit", "4", "--max-tokens", "24", "--dtype", "float32", "--topk-logprobs", "3", "--batch-size", "4",
+           "--threads", "2", "--backend", "vllm", "--vllm-python", VLLM_PYTHON, "--out", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
+    r = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+    traces = read_traces(out)
+    assert traces.schema.equals(TRACE_SCHEMA) and traces.num_rows == 4
+    rows = traces.to_pylist()
+    assert {row["backend"] for row in rows} == {"vllm"} and [row["seq"] for row in rows] == [0, 1, 2, 3]
+    for row in rows:
+        assert [x[0] for x in row["topk_ids"]] == row["output_tokens"]  # greedy: top-1 is the emitted token
+        assert len(row["topk_logprobs"]) == len(row["output_tokens"]) and row["finish_reason"] in ("stop", "length")
+
+    model, _ = load("default", "float32")
+    ours = Engine(model, max_batch=4, max_len=1024).generate([row["prompt_tokens"] for row in rows],
+                                                              SamplingParams(max_tokens=24))
+    assert [row["output_tokens"] for row in rows] == [q.output for q in ours]
+
+    labels = TraceLabeler(str(out), ReplayConfig(model="default", model_drafter="none"))(read_trace_table(out))
+    assert labels.num_rows == sum(len(row["output_tokens"]) - 1 for row in rows)
