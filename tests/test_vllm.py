@@ -161,6 +161,20 @@ def test_hvd_proposer_decides_with_the_predictor(default_folder):
     assert p.decider.cache_scale  # calibrated online from what the steps emitted
 
 
+def test_step_clock_times_widths_relative_to_one_token():
+    """The cost policy's step costs inside vLLM come from timed steps: per width (nearest bucket),
+    relative to one token, never decreasing with width, once each width has a few samples."""
+    from hvd_ray.vllm.proposer import CLOCK_MIN, StepClock
+
+    c = StepClock()
+    for _ in range(CLOCK_MIN):
+        c.add(1, 0.010)
+        c.add(9, 0.025)  # filed under 8
+        assert c.table() is None or c.table() == pytest.approx({1: 1.0, 8: 2.5})
+        c.add(30, 0.020)  # filed under 32; noise says cheaper than 8
+    assert c.table() == pytest.approx({1: 1.0, 8: 2.5, 32: 2.5})
+
+
 def test_nothing_but_hvd_ray_vllm_imports_it():
     """The core never imports the vLLM integration (tests/test_layers.py places it in layer 7)."""
     from test_layers import graph

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Sequence
 
 import numpy as np
@@ -47,6 +48,39 @@ from ..selection.policy import CACHE, VERIFY_COST, CostPolicy, StepView, TauPoli
 NOMINAL = 8
 AWAY_STEPS = 8  # propose calls a request may miss (not scheduled, preempted) before it is ended
 HISTORY = 16  # history features read the last 16 steps
+# Step widths (tokens a step's forward scored, all rows together) the step clock files times under
+CLOCK_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+CLOCK_MIN = 3  # samples a width needs before its time counts
+
+
+class StepClock:
+    """What a target forward over ``w`` new tokens costs here, relative to one token, timed from the
+    gaps between ``propose`` calls (a gap is one vLLM step: schedule, forward, sample, book; drafting
+    excluded). Only steps whose every row was a decoding row drafted for by the previous call count,
+    so the width is known: each row's last token plus the draft it was given. Times are averaged
+    (exponentially) per width in ``CLOCK_WIDTHS`` (the nearest, on a log scale); ``table()`` is None
+    until one token and one wider step have ``CLOCK_MIN`` samples each."""
+
+    def __init__(self, adapt: float = 0.1):
+        self.adapt = adapt
+        self.seconds: dict[int, float] = {}
+        self.samples: dict[int, int] = {}
+
+    def add(self, width: int, seconds: float) -> None:
+        w = min(CLOCK_WIDTHS, key=lambda b: abs(np.log(b) - np.log(max(width, 1))))
+        old = self.seconds.get(w)
+        self.seconds[w] = seconds if old is None else (1 - self.adapt) * old + self.adapt * seconds
+        self.samples[w] = self.samples.get(w, 0) + 1
+
+    def table(self) -> dict[int, float] | None:
+        ok = sorted(w for w, n in self.samples.items() if n >= CLOCK_MIN)
+        if len(ok) < 2 or ok[0] != 1:
+            return None
+        out, last = {}, 1.0
+        for w in ok:  # a wider forward never costs less (noise can say so)
+            last = max(last, self.seconds[w] / self.seconds[1])
+            out[w] = last
+        return out
 
 
 class _Req:
@@ -87,8 +121,8 @@ class HvdProposer:
     default the shipped one), ``HVD_VLLM_MAX_TOKENS`` (the ``max_tokens`` φ_t's relative position
     assumes, since vLLM does not tell a proposer; default 256), ``HVD_VLLM_VERIFY_COST`` (JSON
     ``{tokens: cost}``: a forward over that many new tokens relative to a 1-token one, on this
-    hardware; default ``selection/policy.py:VERIFY_COST``, a GPU-like curve where long drafts are
-    nearly free)."""
+    hardware; default: timed from vLLM's own steps (:class:`StepClock`), starting from
+    ``selection/policy.py:VERIFY_COST``, a GPU-like curve where long drafts are nearly free)."""
 
     policy = "cost"
 
@@ -107,9 +141,15 @@ class HvdProposer:
             self.flags = VocabFlags.from_tokenizer(tok, int(mc.get_vocab_size()))
             g = load_predictor(os.environ.get("HVD_RAY_PREDICTOR") or None)
             cost = os.environ.get("HVD_VLLM_VERIFY_COST")
-            table = {int(w): float(c) for w, c in json.loads(cost).items()} if cost else VERIFY_COST
+            table = {int(w): float(c) for w, c in json.loads(cost).items()} if cost else dict(VERIFY_COST)
+            # no table given: start from the GPU-like one (long drafts nearly free: an optimistic
+            # prior, so wide steps happen and get timed) and switch to the timed one once it exists
+            self.clock = StepClock() if not cost and self.policy == "cost" else None
             self.decider = (CostPolicy(g, self.cache, None, self.flags, cost_table=table) if self.policy == "cost"
                             else TauPolicy(g, self.cache, None, self.flags))
+        self.clock = getattr(self, "clock", None)
+        self._t_end: float | None = None  # when the last propose call returned
+        self._width: int | None = None  # tokens the step after it scores (None: not known)
         self._rows: list[_Req | None] = []  # the request in each row last step
         self._reqs: dict[int, _Req] = {}  # live requests by key
         self._next = 0
@@ -121,14 +161,23 @@ class HvdProposer:
     # ------------------------------------------------------------------ vLLM's hook
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings=None, **_) -> list[list[int]]:
+        t0 = time.perf_counter()
         rows = self._track(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         batch = sum(r is not None for r in rows)
+        if self.clock is not None and self._width and self._clean:
+            self.clock.add(self._width, t0 - self._t_end)
+            table = self.clock.table()
+            if table is not None:
+                self.decider.costs.table.clear()  # (CostPolicy.table is the same dict)
+                self.decider.costs.table.update(table)
         out = []
         for i, r in enumerate(rows):
             draft = self._draft(r, int(num_tokens_no_spec[i]), batch) if r is not None else []
             if r is not None:
                 r.drafted = len(draft)
             out.append(draft)
+        self._width = sum(1 + len(d) for d, r in zip(out, rows) if r is not None) if batch == len(rows) else None
+        self._t_end = time.perf_counter()
         return out
 
     # ------------------------------------------------------------------ rows -> requests
@@ -137,8 +186,10 @@ class HvdProposer:
         emitted tokens to the trees and the policy, and end requests away for too long."""
         free = dict(self._reqs)  # not yet matched this step
         rows: list[_Req | None] = [None] * len(sampled)
+        self._clean = len(sampled) == sum(r is not None for r in self._rows)  # the same rows as last step...
         for i, s in enumerate(sampled):
             if not s:  # a prefill chunk (or a discarded row): nothing to draft for
+                self._clean = False
                 continue
             n, row, k = int(num_tokens[i]), token_ids[i], len(s)
             r = self._rows[i] if i < len(self._rows) else None
@@ -146,6 +197,7 @@ class HvdProposer:
                 r = next((c for c in free.values() if c.continues(row, n, k)), None)
             if r is None:
                 r = self._begin(row[: n - k])
+                self._clean = False  # ...all of them continuing (a new one was prefilled)
             else:
                 del free[r.key]
             self._accept(r, [int(t) for t in s])
@@ -210,8 +262,12 @@ class HvdProposer:
 
     def stats(self) -> dict:
         """Counts since start: requests seen, verify steps, steps that verified a cache draft, draft
-        tokens proposed on them and accepted."""
-        return dict(self.counts, live=len(self._reqs))
+        tokens proposed on them and accepted; the step costs in use (``cost`` policy)."""
+        out = dict(self.counts, live=len(self._reqs))
+        if isinstance(self.decider, CostPolicy):
+            out["costs"] = {str(w): round(c, 3) for w, c in sorted(self.decider.costs.table.items())}
+            out["costs_timed"] = self.clock is not None and self.clock.table() is not None
+        return out
 
 
 class HvdTauProposer(HvdProposer):
