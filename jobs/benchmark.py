@@ -78,7 +78,7 @@ def main() -> None:
                     help="spec mode: which split of each prompt set to run (default test: the held-out prompts)")
     ap.add_argument("--vllm-methods", nargs="+", default=None,
                     help="vllm mode: methods to run (default vllm-greedy vllm-suffix vllm-suffix-d64 vllm-hvd-suffix "
-                         "vllm-hvd; hvd_ray/bench/peers.py has their speculative configs)")
+                         "vllm-hvd-static vllm-hvd; hvd_ray/bench/peers.py has their speculative configs)")
     ap.add_argument("--out", default=None, help="markdown file to write (default benchmarks/<mode>.md)")
     add_args(ap)
     args = ap.parse_args()

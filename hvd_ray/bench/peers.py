@@ -94,6 +94,7 @@ VLLM_METHODS = {
 VLLM_HVD_METHODS = {
     "vllm-hvd": {"method": "custom_class", "model": "hvd_ray.vllm.HvdProposer", "num_speculative_tokens": 32},
     "vllm-hvd-suffix": {"method": "custom_class", "model": "hvd_ray.vllm.SuffixProposer", "num_speculative_tokens": 32},
+    "vllm-hvd-static": {"method": "custom_class", "model": "hvd_ray.vllm.HvdStaticProposer", "num_speculative_tokens": 32},
 }
 
 

@@ -9,7 +9,7 @@ from .peers import VLLM_HVD_METHODS, VLLM_METHODS, run_vllm_job
 from .prompts import prompt_ids
 
 METHODS = {**VLLM_METHODS, **VLLM_HVD_METHODS}
-DEFAULT_METHODS = ("vllm-greedy", "vllm-suffix", "vllm-suffix-d64", "vllm-hvd-suffix", "vllm-hvd")
+DEFAULT_METHODS = ("vllm-greedy", "vllm-suffix", "vllm-suffix-d64", "vllm-hvd-suffix", "vllm-hvd-static", "vllm-hvd")
 
 
 def bench_vllm(args) -> str:
@@ -83,7 +83,10 @@ def bench_vllm(args) -> str:
     if stats:
         lines += ["", "Our proposers' own counts (whole run): " + "; ".join(
             f"`{m}`: {s['steps']} verify steps, {s['cache_steps']} with a cache draft, {s['drafted']} draft tokens "
-            f"proposed there, {s['accepted']} accepted" for m, s in stats.items()) + "."]
+            f"proposed there, {s['accepted']} accepted"
+            + (f", step costs by width at the end ({'timed from its own steps' if s.get('costs_timed') else 'prior'}): "
+               + ", ".join(f"{w}: {c:.2f}" for w, c in s["costs"].items()) if s.get("costs") else "")
+            for m, s in stats.items()) + "."]
     if errors:
         lines += ["", "Not run: " + "; ".join(f"`{m}`: {e}" for m, e in errors.items())]
     return "\n".join(lines) + "\n"

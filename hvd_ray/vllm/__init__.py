@@ -7,7 +7,7 @@ builds the proposer from its config and calls it), so it loads wherever hvd_ray 
                         "num_speculative_tokens": 32}
 """
 
-from .proposer import HvdProposer, HvdTauProposer, SuffixProposer
+from .proposer import HvdProposer, HvdStaticProposer, HvdTauProposer, SuffixProposer
 from .worker import HvdWorkerExtension
 
-__all__ = ["HvdProposer", "HvdTauProposer", "HvdWorkerExtension", "SuffixProposer"]
+__all__ = ["HvdProposer", "HvdStaticProposer", "HvdTauProposer", "HvdWorkerExtension", "SuffixProposer"]

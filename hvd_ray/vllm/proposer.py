@@ -125,6 +125,7 @@ class HvdProposer:
     ``selection/policy.py:VERIFY_COST``, a GPU-like curve where long drafts are nearly free)."""
 
     policy = "cost"
+    timed = True  # time vLLM's steps for the cost table (else the static GPU-like one)
 
     def __init__(self, vllm_config) -> None:
         spec = vllm_config.speculative_config
@@ -144,7 +145,7 @@ class HvdProposer:
             table = {int(w): float(c) for w, c in json.loads(cost).items()} if cost else dict(VERIFY_COST)
             # no table given: start from the GPU-like one (long drafts nearly free: an optimistic
             # prior, so wide steps happen and get timed) and switch to the timed one once it exists
-            self.clock = StepClock() if not cost and self.policy == "cost" else None
+            self.clock = StepClock() if not cost and self.policy == "cost" and self.timed else None
             self.decider = (CostPolicy(g, self.cache, None, self.flags, cost_table=table) if self.policy == "cost"
                             else TauPolicy(g, self.cache, None, self.flags))
         self.clock = getattr(self, "clock", None)
@@ -270,6 +271,13 @@ class HvdProposer:
         return out
 
 
+class HvdStaticProposer(HvdProposer):
+    """The ``cost`` policy with the static GPU-like cost table (``VERIFY_COST``: long drafts nearly
+    free), not timed: what it decides where verifying is cheap, e.g. on a GPU."""
+
+    timed = False
+
+
 class HvdTauProposer(HvdProposer):
     """The paper's rule: verify the cache draft (whole) when ``ŷ > 6``, else decode plainly."""
 
@@ -282,4 +290,4 @@ class SuffixProposer(HvdProposer):
     policy = "always-cache"
 
 
-__all__ = ["HvdProposer", "HvdTauProposer", "SuffixProposer"]
+__all__ = ["HvdProposer", "HvdStaticProposer", "HvdTauProposer", "SuffixProposer"]
