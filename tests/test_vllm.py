@@ -202,6 +202,7 @@ def real_prompts(tok, per_workload: int = 5) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_hvd_proposer_in_vllm_is_greedy_identical(default_folder):
     """vLLM with ``hvd_ray.vllm.HvdProposer`` (custom_class), fp32 greedy, 20 real prompts batched:
@@ -225,6 +226,7 @@ def test_hvd_proposer_in_vllm_is_greedy_identical(default_folder):
     assert ours["per_prompt"][0][2] <= greedy["per_prompt"][0][2] and stats["steps"] < ours["tokens"] - 20
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_collect_traces_with_the_vllm_backend(tmp_path, default_folder):
     """``collect_traces --backend vllm --vllm-python``: a Ray Data job whose actor runs vLLM in that
