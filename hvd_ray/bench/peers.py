@@ -5,7 +5,6 @@ of our engine, and vLLM CPU in its own interpreter (``vllm_peer.py``, optional).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 import time
@@ -17,9 +16,9 @@ import torch
 
 from ..drafters.base import Draft, Drafter, DraftRequest
 from ..engine import SamplingParams
+from ..traces.vllm_generate import vllm_env
 
 PEER = Path(__file__).with_name("vllm_peer.py")  # a script for the vLLM interpreter, not imported here
-ROOT = Path(__file__).resolve().parents[2]  # this checkout: on the vLLM interpreter's PYTHONPATH
 
 
 class NotRun(Exception):
@@ -143,17 +142,6 @@ def run_vllm(python: str, prompts, max_tokens: int, threads: int, eagle3_head: s
     job = {"model": str(resolve("default")), "prompts": [ids for _, _, ids in prompts], "max_tokens": max_tokens,
            "threads": threads, "methods": methods}
     return run_vllm_job(python, job, timeout)
-
-
-def vllm_env(python: str) -> dict:
-    """The environment for the vLLM interpreter: hvd_ray importable from this checkout (for
-    ``custom_class`` proposers and the worker extension), Intel OpenMP preloaded where the venv has it."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    iomp = Path(python).absolute().parents[1] / "lib" / "libiomp5.so"  # the venv's, not the base python's
-    if iomp.exists():  # vLLM's CPU guide: preload Intel OpenMP, or lose "significant performance"
-        env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
-    return env
 
 
 def run_vllm_job(python: str, job: dict, timeout: float = 3600) -> dict:

@@ -435,12 +435,10 @@ class VllmGenerator:
         if not Path(python).is_file():
             raise CollectError(f"--vllm-python {python} does not exist")
         script = Path(__file__).with_name("vllm_generate.py")
-        env = dict(os.environ)
-        iomp = Path(python).absolute().parents[1] / "lib" / "libiomp5.so"  # vLLM's CPU guide: preload it
-        if iomp.exists():
-            env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+        from .vllm_generate import vllm_env
+
         self.proc = subprocess.Popen([python, str(script), json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.PIPE, text=True, env=vllm_env(python))
         line = self.proc.stdout.readline()
         if not line:
             raise CollectError(f"vLLM in {python} did not start (rc {self.proc.wait()}; its log is on stderr)")

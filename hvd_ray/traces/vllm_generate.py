@@ -21,6 +21,21 @@ import sys
 from typing import Sequence
 
 
+def vllm_env(python: str) -> dict:
+    """The environment for a vLLM interpreter's child process: hvd_ray importable from this checkout
+    (``custom_class`` proposers, the worker extension), Intel OpenMP preloaded where its venv has it
+    (vLLM's CPU guide: without it, "significant performance" is lost)."""
+    from pathlib import Path
+
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    iomp = Path(python).absolute().parents[1] / "lib" / "libiomp5.so"  # the venv's, not the base python's
+    if iomp.exists():
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+    return env
+
+
 class VllmBackend:
     """One ``vllm.LLM`` generating greedily in batches, with optional top-k log-probs.
 
