@@ -135,6 +135,7 @@ class HvdProposer:
         self.max_tokens = int(os.environ.get("HVD_VLLM_MAX_TOKENS", "256"))
         self.cache = SuffixDrafter(suffix_config(self.policy) if self.policy != "always-cache" else SuffixConfig())
         self.decider = None
+        self.clock = None
         if self.policy != "always-cache":
             from transformers import AutoTokenizer
 
@@ -148,7 +149,6 @@ class HvdProposer:
             self.clock = StepClock() if not cost and self.policy == "cost" and self.timed else None
             self.decider = (CostPolicy(g, self.cache, None, self.flags, cost_table=table) if self.policy == "cost"
                             else TauPolicy(g, self.cache, None, self.flags))
-        self.clock = getattr(self, "clock", None)
         self._t_end: float | None = None  # when the last propose call returned
         self._width: int | None = None  # tokens the step after it scores (None: not known)
         self._rows: list[_Req | None] = []  # the request in each row last step
