@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_ray.engine.costs import StepCosts, batch_cap, interpolate, measure_step_costs
+from hvd_ray.engine.costs import StepCosts, batch_cap, interpolate, measure_step_costs, monotone
 from hvd_ray.model.transformer import Transformer
 
 
@@ -24,6 +24,14 @@ def test_measured_costs_are_relative_monotone_cached_and_leave_the_cache_alone(t
     # widths beyond the model's context are dropped, not an error
     short = measure_step_costs(model, widths=(1, 2, model.cfg.max_position + 1), prefix=16, reps=1)
     assert list(short.table) == [1, 2]
+
+
+def test_a_timing_spike_is_averaged_not_carried_to_wider_forwards():
+    # a noisy 4-token timing: a running maximum would price 8 and 16 tokens at 1.6 too
+    fit = monotone({1: 1.0, 2: 1.1, 4: 1.6, 8: 1.3, 16: 1.5, 32: 2.5})
+    assert fit[4] == pytest.approx(1.45) and fit[8] == pytest.approx(1.45)  # the violators pooled
+    assert fit[16] == pytest.approx(1.5) and fit[32] == pytest.approx(2.5) and fit[1] == pytest.approx(1.0)
+    assert monotone({1: 0.05}) == {1: 0.05}
 
 
 def test_costs_interpolate_and_share_a_forward_across_a_batch():

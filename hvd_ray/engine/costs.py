@@ -14,6 +14,7 @@ extrapolated with the last segment's slope.
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -75,10 +76,16 @@ def batch_cap(lengths: Sequence[int], gains: Sequence[Sequence[float]], costs: "
     return best[1]
 
 
-def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 3) -> StepCosts:
+def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5) -> StepCosts:
     """Time one forward over ``k`` new tokens after a ``prefix``-token context, for each ``k`` in
-    ``widths`` (median of ``reps``), in a scratch KV cache so the model's own cache is untouched.
-    Cached on the model: engines that share a model share its costs."""
+    ``widths``, in a scratch KV cache so the model's own cache is untouched. Cached on the model:
+    engines that share a model share its costs.
+
+    A busy or frequency-scaling CPU makes single timings jump by 30 % or more, and a table with a
+    spike at one width misprices every draft from there on (the policy then declines drafts that
+    pay). So the widths are timed in ``reps`` interleaved rounds (drift hits all widths alike), each
+    width's median is kept, and the table is the monotone least-squares fit of those medians
+    (scikit-learn's isotonic regression), not their running maximum."""
     key = (str(model.device), str(model.dtype), torch.get_num_threads(), tuple(widths), prefix)
     cached = getattr(model, "_step_costs", {})
     if key in cached:
@@ -94,10 +101,9 @@ def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 3) ->
         new = (torch.arange(max(widths), device=model.device) * 13 % vocab).unsqueeze(0)
         with torch.inference_mode():
             model(ctx, [0], last_only=True)
-            raw = {}
-            for k in widths:
-                ts = []
-                for _ in range(reps + 1):  # the first run of a shape warms it up
+            times: dict[int, list[float]] = {k: [] for k in widths}
+            for rnd in range(reps + 1):  # round 0 warms every shape up and is not kept
+                for k in widths:
                     model.cache.truncate(0, prefix)
                     if model.device.type == "cuda":
                         torch.cuda.synchronize()
@@ -105,22 +111,30 @@ def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 3) ->
                     model(new[:, :k], [0])
                     if model.device.type == "cuda":
                         torch.cuda.synchronize()
-                    ts.append(time.perf_counter() - t0)
-                ts = sorted(ts[1:])
-                raw[k] = ts[len(ts) // 2]
+                    if rnd:
+                        times[k].append(time.perf_counter() - t0)
     finally:
         model.cache = saved
+    raw = {k: statistics.median(ts) for k, ts in times.items()}
     raw = dict(zip(raw, rank0_values(model, list(raw.values()))))  # one table on every TP rank
-    one = raw[min(widths)]
-    # costs never fall with width (timing noise can make them): a running maximum
-    table, top = {}, 0.0
-    for k in sorted(raw):
-        top = max(top, raw[k] / one)
-        table[k] = top
-    costs = StepCosts(table, one, True, raw)
+    fit = monotone(raw)
+    one = fit[min(fit)]
+    costs = StepCosts({k: v / one for k, v in fit.items()}, one, True, raw)
     cached[key] = costs
     model._step_costs = cached
     return costs
 
 
-__all__ = ["StepCosts", "batch_cap", "WIDTHS", "interpolate", "measure_step_costs"]
+def monotone(raw: dict[int, float]) -> dict[int, float]:
+    """The non-decreasing least-squares fit of ``raw`` (width -> seconds): a forward over more
+    tokens never costs less, and noise is averaged out instead of carried forward."""
+    from sklearn.isotonic import IsotonicRegression
+
+    ks = sorted(raw)
+    if len(ks) < 2:
+        return dict(raw)
+    fitted = IsotonicRegression(increasing=True).fit_transform(ks, [raw[k] for k in ks])
+    return {k: float(v) for k, v in zip(ks, fitted)}
+
+
+__all__ = ["StepCosts", "batch_cap", "WIDTHS", "interpolate", "measure_step_costs", "monotone"]
