@@ -124,3 +124,27 @@ def test_the_suffix_cache_drafts_past_the_model_budget_losslessly(default_folder
     assert req.output == plain
     assert max(s.drafted for s in req.stats.steps) > 4  # the repeated text drafts long
     assert Engine(model, max_batch=1, max_len=256, num_draft_tokens=0).cache_draft_tokens == 0
+
+
+def test_batches_decode_plainly_where_drafted_steps_measure_slower():
+    from hvd_ray.engine.costs import SpeculationCheck
+
+    check = SpeculationCheck(explore_plain=64, explore_drafts=8, min_steps=3)
+    assert not any(check.plain(1) for _ in range(100))  # a lone request is the policy's to decide
+    # batch 8: drafted steps emit 12 tokens in 0.30 s, plain ones 8 tokens in 0.15 s
+    arms = []
+    for _ in range(200):
+        plain = check.plain(8)
+        arms.append(plain)
+        check.record(8, not plain, 8 if plain else 12, 0.15 if plain else 0.30)
+    assert check.prefers_plain(8) and check.rate(8, False) == pytest.approx(8 / 0.15)
+    late = arms[100:]
+    assert 0 < late.count(False) <= len(late) // 8 + 1  # drafts still retried, every 8th step
+    # the cache warms: drafted steps now emit 40 tokens in 0.30 s, and win back the batch
+    for _ in range(100):
+        plain = check.plain(8)
+        check.record(8, not plain, 8 if plain else 40, 0.15 if plain else 0.30)
+    assert not check.prefers_plain(8)
+    late = [check.plain(8) for _ in range(128)]
+    assert late.count(True) == 2  # plain steps re-measured every 64th step only
+    assert not check.prefers_plain(4) and check.rate(4, True) is None  # batch sizes are kept apart

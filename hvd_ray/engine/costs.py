@@ -76,6 +76,56 @@ def batch_cap(lengths: Sequence[int], gains: Sequence[Sequence[float]], costs: "
     return best[1]
 
 
+class SpeculationCheck:
+    """Whether speculating pays at this batch size, measured rather than predicted.
+
+    The cost policy sizes a batch's drafts from estimated gains (``batch_cap``); when those are
+    too high (a batch's cap is the argmax over noisy estimates, so it picks the over-estimated
+    ones), the batch pays for drafts it does not accept and decodes slower than without any. So the
+    engine keeps, per batch size, the emitted tokens per second of whole steps (drafting included)
+    taken with the policy's drafts and of steps taken with none, and decodes plainly at a batch
+    size where the drafted steps measure slower. Some steps go to the arm not preferred (every
+    fourth until it has ``min_steps``), so both rates stay measured as load and prompts change:
+    drafts are retried often (every ``explore_drafts``-th step: they pay again as soon as the cache
+    warms), plain steps seldom (``explore_plain``: a plain step's rate barely moves, and a forced
+    one forgoes a draft that may be worth ten tokens). Lone requests are left to the policy (its
+    per-request choice already weighs a plain step). Decisions depend only on the timings fed in,
+    so TP ranks fed rank 0's agree."""
+
+    def __init__(self, explore_plain: int = 64, explore_drafts: int = 8, adapt: float = 0.1, min_steps: int = 3):
+        self.explore_plain, self.explore_drafts = explore_plain, explore_drafts
+        self.adapt, self.min_steps = adapt, min_steps
+        self.arms: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted) -> [tokens, seconds, steps]
+        self.steps: dict[int, int] = {}
+
+    def rate(self, batch: int, drafted: bool) -> float | None:
+        arm = self.arms.get((batch, drafted))
+        return arm[0] / arm[1] if arm and arm[2] >= self.min_steps and arm[1] > 0 else None
+
+    def prefers_plain(self, batch: int) -> bool:
+        spec, plain = self.rate(batch, True), self.rate(batch, False)
+        return spec is not None and plain is not None and plain > spec
+
+    def plain(self, batch: int) -> bool:
+        """Whether this step of a ``batch``-row decode goes without drafts."""
+        if batch < 2:
+            return False
+        n = self.steps[batch] = self.steps.get(batch, 0) + 1
+        prefer = self.prefers_plain(batch)
+        other = self.arms.get((batch, prefer), [0, 0, 0])[2]  # steps the other arm has been measured
+        every = 4 if other < self.min_steps else self.explore_drafts if prefer else self.explore_plain
+        return prefer != (n % every == 0)
+
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if batch < 2 or seconds <= 0:
+            return
+        arm = self.arms.setdefault((batch, drafted), [0.0, 0.0, 0])
+        a = self.adapt if arm[2] else 1.0
+        arm[0] = (1 - a) * arm[0] + a * tokens
+        arm[1] = (1 - a) * arm[1] + a * seconds
+        arm[2] += 1
+
+
 def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5) -> StepCosts:
     """Time one forward over ``k`` new tokens after a ``prefix``-token context, for each ``k`` in
     ``widths``, in a scratch KV cache so the model's own cache is untouched. Cached on the model:
@@ -137,4 +187,4 @@ def monotone(raw: dict[int, float]) -> dict[int, float]:
     return {k: float(v) for k, v in zip(ks, fitted)}
 
 
-__all__ = ["StepCosts", "batch_cap", "WIDTHS", "interpolate", "measure_step_costs", "monotone"]
+__all__ = ["SpeculationCheck", "StepCosts", "batch_cap", "WIDTHS", "interpolate", "measure_step_costs", "monotone"]

@@ -30,7 +30,7 @@ from ..verification import (greedy_walk, rejection_sample_chain, rejection_sampl
 from ..verification.sampling import sample
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
-from .costs import batch_cap
+from .costs import SpeculationCheck, batch_cap
 from .request import Request, SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,9 @@ class Engine:
         self.cache_draft_tokens = (max(num_draft_tokens, 64) if cache_draft_tokens is None else cache_draft_tokens) \
             if num_draft_tokens > 0 else 0
         self.decoding_batch = 1  # requests in the current decode step (policies size drafts by it)
+        # under a cost policy, batches decode plainly where drafted steps measure slower (costs.py)
+        self.check = SpeculationCheck() if getattr(policy, "costs", None) is not None else None
+        self._drafting = True  # this step's arm for ``check``
         self.eos = set(eos_token_ids) | set(model.cfg.eos_token_ids)
         self.detokenize = detokenize
         self.slim = slim  # VIA-SD slim-verifier tier (verification/tiered.py); None = two tiers
@@ -238,6 +241,9 @@ class Engine:
         """
         default = self.drafters[0] if self.drafters else None
         self.decoding_batch = len(reqs)
+        self._drafting = self.check is None or not self.check.plain(len(reqs))
+        if not self._drafting:  # measured: drafts do not pay at this batch size now
+            return [Draft() for _ in reqs], [None] * len(reqs), [False] * len(reqs)
         for d in self.drafters:  # remote drafters fetch the whole batch's drafts in one call
             try:
                 d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, d)) for r in reqs])
@@ -316,7 +322,7 @@ class Engine:
         draft_s, verify_s = t1 - t0, t2 - t1
         if self.policy is not None:  # the policy learns from these: every TP rank must see the same
             draft_s, verify_s = rank0_values(self.model, [draft_s, verify_s])
-        results = []
+        results, produced = [], 0
         for b, (req, d) in enumerate(zip(reqs, drafts)):
             if req.finished:  # its verification failed (``_fail``); released by ``step``
                 continue
@@ -326,6 +332,7 @@ class Engine:
             else:
                 path, nxt = verified[b]
                 emitted, accepted = [d.token_ids[i] for i in path] + [nxt], len(path)
+            produced += len(emitted)
             req.stats.steps.append(StepRecord(
                 d.source or "none", len(d), accepted, draft_s / B, verify_s / B, predicted[b], capped=capped[b],
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
@@ -334,6 +341,8 @@ class Engine:
                 results.append(self._emit(req, emitted))
             except Exception as e:  # noqa: BLE001 - a drafter's accept: fail this request alone
                 self._fail(req, e, "emitting tokens")
+        if self.check is not None:
+            self.check.record(B, self._drafting, produced, draft_s + verify_s)
         dt = time.perf_counter() - t0
         for r in reqs:
             r.stats.decode_s += dt
