@@ -1,9 +1,9 @@
 """The Ray Serve app over HTTP at several concurrencies: requests/s, tokens/s, latency, TTFT and
-the time the engine loop spends on the shared suffix actor, one server (drafter, actor mode) at a time."""
+the time the engine loop spends on the shared suffix actor, for several servers (drafter, actor
+mode) side by side."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -15,16 +15,8 @@ from .machine import DTYPE_NAMES, command, machine_line
 from .prompts import prompt_ids
 
 
-def bench_http(args) -> str:
-    """The Serve app (one replica, bf16) driven over HTTP by `c` concurrent streaming clients."""
-    import httpx
-    import ray
-    from ray import serve
-    from transformers import AutoTokenizer
-
-    from ..serving import build_app
-
-    tok = AutoTokenizer.from_pretrained(resolve("default"))
+def _levels(args, tok) -> tuple[list[list[int]], dict[int, list[list[int]]]]:
+    """(warm-up prompts, the prompts of each concurrency level)."""
     n_per = 2 if args.quick else 4
     sets = ("function_calling", "code", "code_edit", "chat")
     prompts = [ids for _, _, ids in prompt_ids(tok, sets, n_per, 1024)]
@@ -41,75 +33,54 @@ def bench_http(args) -> str:
             k = n_per * (2 if c >= 8 else 1)
             levels[c] = [ids for w in sets for ids in pool[w][at:at + k]]
             at += k
-    drafter, _, mode = args.serve_drafter.partition(":")
+    return prompts, levels
+
+
+def _request(base: str, ids: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion: latency, time to first text, completion tokens."""
+    import httpx
+
+    body = {"model": "default", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    with httpx.Client(base_url=base, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ttft is None and ev.get("choices") and ev["choices"][0].get("text"):
+                ttft = time.perf_counter() - t0
+            if ev.get("usage"):
+                usage = ev["usage"]
+    return {"latency": time.perf_counter() - t0, "ttft": ttft or float("nan"),
+            "tokens": usage["completion_tokens"] if usage else 0}
+
+
+def _pct(xs, q):
+    xs = sorted(x for x in xs if x == x)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def _stats(base: str) -> dict:
+    import httpx
+
+    with httpx.Client(base_url=base) as c:
+        return c.get("/stats").json()
+
+
+def _server_config(args, server: str, i: int) -> dict:
+    drafter, _, mode = server.partition(":")
+    return {"model": "default", "dtype": args.dtype, "drafter": drafter, "max_batch": 8,
+            "max_model_len": 2048, "max_tokens": 1024, "torch_threads": args.threads, "num_replicas": 1,
+            "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1},
+            "suffix_actor_mode": mode or "mirror", "suffix_actor_name": f"hvd-bench-suffix-{i}"}
+
+
+def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) -> str:
+    drafter, _, mode = server.partition(":")
     mode = mode or "mirror"
-    config = {"model": "default", "dtype": args.dtype, "drafter": drafter, "max_batch": 8,
-              "max_model_len": 2048, "max_tokens": 1024, "torch_threads": args.threads, "num_replicas": 1,
-              "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1},
-              "suffix_actor_mode": mode}
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    import socket
-
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="bench", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-
-    def one(ids: list[int]) -> dict:
-        body = {"model": "default", "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        t0 = time.perf_counter()
-        ttft, usage = None, None
-        with httpx.Client(base_url=base, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                if ttft is None and ev.get("choices") and ev["choices"][0].get("text"):
-                    ttft = time.perf_counter() - t0
-                if ev.get("usage"):
-                    usage = ev["usage"]
-        return {"latency": time.perf_counter() - t0, "ttft": ttft or float("nan"),
-                "tokens": usage["completion_tokens"] if usage else 0}
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    def pct(xs, q):
-        xs = sorted(x for x in xs if x == x)
-        return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-    rows, raw = [], {}
-    try:
-        one(prompts[0])  # warm-up
-        with httpx.Client(base_url=base) as c:
-            s0 = c.get("/stats").json()
-        for conc in args.concurrency:
-            work = levels[conc]
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(conc) as pool:
-                res = list(pool.map(one, work))
-            wall = time.perf_counter() - t0
-            with httpx.Client(base_url=base) as c:
-                s1 = c.get("/stats").json()
-            wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - \
-                sum(d.get("wait_s", 0.0) for d in s0["drafters"].values())
-            busy = s1["decode_s"] - s0["decode_s"]
-            s0 = s1
-            toks = sum(r["tokens"] for r in res)
-            raw[f"c{conc}"] = res
-            args.http_tps[(args.serve_drafter, conc)] = toks / wall
-            rows.append(f"| {conc} | {len(work)} | {len(work) / wall:.2f} | {toks / wall:.1f} | "
-                        f"{pct([r['latency'] for r in res], 0.5):.2f} | {pct([r['latency'] for r in res], 0.99):.2f} | "
-                        f"{pct([r['ttft'] for r in res], 0.5):.2f} | {pct([r['ttft'] for r in res], 0.99):.2f} | "
-                        f"{100 * wait / busy if busy else 0:.1f}% |")
-            print(rows[-1], file=sys.stderr)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     lines = [
         f"# HTTP benchmark: the Ray Serve app at concurrency {', '.join(map(str, args.concurrency))}",
         "",
@@ -119,7 +90,7 @@ def bench_http(args) -> str:
         + (f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
            + (" + shipped EAGLE-3 head, cost policy)" if drafter == "hvd" else ")") if drafter in ("hvd", "suffix") else "")
         + f", max_batch 8, {args.threads} torch threads; greedy, up to {args.max_tokens} new tokens; "
-        f"{len(prompts)} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
+        f"{n_prompts} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
         "(`/v1/completions`, SSE). "
         + ("Every level sends its own held-out prompts (test, then validation split; twice as many at "
            "concurrency 8 and above) and no prompt is sent twice: the suffix history holds only earlier "
@@ -140,37 +111,95 @@ def bench_http(args) -> str:
 
 
 def bench_http_servers(args) -> list[tuple[str, str]]:
-    """``bench_http`` once per server in ``args.servers`` (``drafter[:suffix_actor_mode]``); writes
-    ``args.http_out`` when every server ran. Returns (server, markdown) pairs."""
-    out = []
-    tps: dict = {}
-    for server in args.servers:
-        a = argparse.Namespace(**vars(args))
-        a.serve_drafter, a.http_tps = server, tps
-        try:
-            md = bench_http(a)
-        except Exception as e:  # noqa: BLE001 - the report says why the HTTP cells are missing
-            md = f"not run: {type(e).__name__}: {e}\n"
-        out.append((server, md))
-    if all(not md.startswith("not run") for _, md in out):
+    """Every server in ``args.servers`` (``drafter[:suffix_actor_mode]``) as its own Serve
+    application in one Ray, measured level by level in turn: at each concurrency every server runs
+    the level's requests while the others idle, in an order that alternates from level to level.
+    This box's speed drifts by 30 % within minutes (docs/benchmarks.md); servers run one after
+    another as whole jobs saw different machines, side by side they see the same one.
+
+    Writes ``args.http_out`` when every server ran. Returns (server, markdown) pairs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from ..serving import build_app
+
+    tok = AutoTokenizer.from_pretrained(resolve("default"))
+    warm, levels = _levels(args, tok)
+    servers = list(args.servers)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2 + 2 * len(servers), include_dashboard=False, log_to_driver=False)
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    rows: dict[str, list[str]] = {s: [] for s in servers}
+    raw: dict[str, dict] = {s: {} for s in servers}
+    tps: dict[tuple[str, int], float] = {}
+    failed: dict[str, str] = {}
+    bases: dict[str, str] = {}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for i, server in enumerate(servers):
+            try:
+                serve.run(build_app(_server_config(args, server, i)), name=f"bench{i}", route_prefix=f"/s{i}")
+                bases[server] = f"http://127.0.0.1:{port}/s{i}"
+                _request(bases[server], warm[0], args.max_tokens)  # warm-up, not measured
+            except Exception as e:  # noqa: BLE001 - the report says why the cells are missing
+                failed[server] = f"{type(e).__name__}: {e}"
+        live = [s for s in servers if s not in failed]
+        for j, conc in enumerate(args.concurrency):
+            work = levels[conc]
+            for server in (live if j % 2 == 0 else live[::-1]):
+                base = bases[server]
+                s0 = _stats(base)
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(conc) as pool:
+                    res = list(pool.map(lambda ids: _request(base, ids, args.max_tokens), work))
+                wall = time.perf_counter() - t0
+                s1 = _stats(base)
+                wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - \
+                    sum(d.get("wait_s", 0.0) for d in s0["drafters"].values())
+                busy = s1["decode_s"] - s0["decode_s"]
+                toks = sum(r["tokens"] for r in res)
+                raw[server][f"c{conc}"] = res
+                tps[(server, conc)] = toks / wall
+                lat, ttft = [r["latency"] for r in res], [r["ttft"] for r in res]
+                rows[server].append(
+                    f"| {conc} | {len(work)} | {len(work) / wall:.2f} | {toks / wall:.1f} | {_pct(lat, 0.5):.2f} | "
+                    f"{_pct(lat, 0.99):.2f} | {_pct(ttft, 0.5):.2f} | {_pct(ttft, 0.99):.2f} | "
+                    f"{100 * wait / busy if busy else 0:.1f}% |")
+                print(f"{server}: {rows[server][-1]}", file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    out = [(s, f"not run: {failed[s]}\n" if s in failed else _server_md(args, s, len(warm), rows[s], raw[s]))
+           for s in servers]
+    if not failed:
         dest = Path(args.http_out)
         summary = ""
-        base = args.servers[0]
-        if len(args.servers) > 1:  # tokens/s of each server over the first one's, per concurrency
-            head = "| concurrency | " + " | ".join(f"`{d}` tok/s" for d in args.servers) + " | " + \
-                " | ".join(f"`{d}` / `{base}`" for d in args.servers[1:]) + " |"
-            rows = [f"| {c} | " + " | ".join(f"{tps[(d, c)]:.1f}" for d in args.servers) + " | " +
-                    " | ".join(f"**{tps[(d, c)] / tps[(base, c)]:.2f}x**" for d in args.servers[1:]) + " |"
-                    for c in args.concurrency]
-            summary = ("# HTTP benchmark summary (servers run one after another in one job)\n\n"
+        base = servers[0]
+        if len(servers) > 1:  # tokens/s of each server over the first one's, per concurrency
+            head = "| concurrency | " + " | ".join(f"`{d}` tok/s" for d in servers) + " | " + \
+                " | ".join(f"`{d}` / `{base}`" for d in servers[1:]) + " |"
+            table = [f"| {c} | " + " | ".join(f"{tps[(d, c)]:.1f}" for d in servers) + " | " +
+                     " | ".join(f"**{tps[(d, c)] / tps[(base, c)]:.2f}x**" for d in servers[1:]) + " |"
+                     for c in args.concurrency]
+            summary = ("# HTTP benchmark summary (servers side by side in one Ray, taking turns level by level)\n\n"
                        f"Command: `{command('jobs/benchmark.py')}`\n\n"
+                       "Every server is its own Serve application in the same Ray; at each concurrency level "
+                       "the servers run the level's requests in turn (the others idle), the order alternating "
+                       "from level to level.\n\n"
                        + ("Every level sends its own held-out prompts and none is sent twice: each level is a "
                           "cold pass for its prompts (the suffix history holds earlier levels' answers to other "
                           "prompts).\n\n" if args.fresh_prompts else
                           "Every concurrency level sends the same prompts, so from the second level on a server "
                           "with a suffix cache has their answers in its global tree (the warm-repeat regime of "
                           "`benchmarks/regimes.md`); only the first level is a cold pass.\n\n")
-                       + "\n".join([head, "| --- |" + " --- |" * (2 * len(args.servers) - 1), *rows]) + "\n\n")
+                       + "\n".join([head, "| --- |" + " --- |" * (2 * len(servers) - 1), *table]) + "\n\n")
         dest.write_text(summary + "\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
         print(f"wrote {dest}", file=sys.stderr)
     return out
