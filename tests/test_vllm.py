@@ -5,6 +5,7 @@ token-identical to vLLM's own greedy on 20 real prompts)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -264,3 +265,265 @@ def test_collect_traces_with_the_vllm_backend(tmp_path, default_folder):
 
     labels = TraceLabeler(str(out), ReplayConfig(model="default", model_drafter="none"))(read_trace_table(out))
     assert labels.num_rows == sum(len(row["output_tokens"]) - 1 for row in rows)
+
+
+# ------------------------------------------------------------------ serving on vLLM (backend: vllm)
+def test_serving_config_for_the_vllm_backend():
+    """``backend: vllm`` takes vLLM's speculative method and refuses what only hvd-ray's engine honours;
+    the vLLM options refuse ``backend: hvd``; a replica's re-validation of the dumped config passes."""
+    from pydantic import ValidationError
+
+    from hvd_ray.serving.config import ServingConfig
+
+    cfg = ServingConfig(backend="vllm", vllm_python="/x/bin/python")
+    assert cfg.vllm_speculative_config() == {"method": "custom_class", "model": "hvd_ray.vllm.HvdProposer",
+                                             "num_speculative_tokens": 32}
+    assert ServingConfig.model_validate(cfg.model_dump()) == cfg
+    assert ServingConfig(backend="vllm", vllm_method="suffix", vllm_draft_tokens=16).vllm_speculative_config() == \
+        {"method": "suffix", "num_speculative_tokens": 16}
+    assert ServingConfig(backend="vllm", vllm_method="none").vllm_speculative_config() is None
+    assert ServingConfig(backend="vllm", model="/some/qwen").backend == "vllm"  # no EAGLE-3 head asked for
+    refused = {
+        "cannot honour drafter, slim": {"drafter": "suffix", "slim": "layerskip:4"},
+        "cannot honour policy": {"policy": "tau"},
+        "tensor_parallel_size 1": {"tensor_parallel_size": 2},
+        "unknown vllm_method 'eagle'": {"vllm_method": "eagle"},
+        "device cpu or cuda": {"device": "cuda:1"},
+        "may not set what the serving config sets (max_model_len: set max_model_len; speculative_config": {
+            "vllm_engine_args": {"speculative_config": {}, "max_model_len": 9}},
+    }
+    for message, fields in refused.items():
+        with pytest.raises(ValidationError, match=re.escape(message)):
+            ServingConfig(backend="vllm", **fields)
+    with pytest.raises(ValidationError, match="vllm_python, vllm_method are for backend: vllm only"):
+        ServingConfig(vllm_method="suffix", vllm_python="/x")
+    with pytest.raises(ValidationError, match="backend"):
+        ServingConfig(backend="tgi")
+    # `serve run serve_app:app backend=vllm ...`: the replica is VllmReplica; device cuda: a GPU each
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    import serve_app
+
+    app = call_user_app_builder_with_args_if_necessary(serve_app.app, {"backend": "vllm", "vllm_python": "/x/python",
+                                                                       "max_batch": "2", "device": "cuda"})
+    replica = app._bound_deployment.init_args[0]._bound_deployment
+    assert replica.name == "VllmReplica" and replica.ray_actor_options["num_gpus"] == 1
+    import yaml
+
+    args = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())["applications"][0]["args"]
+    assert ServingConfig.model_validate({**args, "backend": "vllm"}).backend == "vllm"  # its values are defaults
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("HVD_VLLM_PYTHON", raising=False)
+        mp.setattr("importlib.util.find_spec", lambda name: None)
+        with pytest.raises(ValueError, match="needs an interpreter with vLLM"):
+            ServingConfig(backend="vllm").resolved_vllm_python()
+        mp.setenv("HVD_VLLM_PYTHON", "/nonexistent/python")
+        with pytest.raises(ValueError, match="/nonexistent/python does not exist"):
+            ServingConfig(backend="vllm").resolved_vllm_python()
+
+
+# A stand-in for ``vllm_generate.py --serve``, speaking its protocol: a request's tokens one a line
+# (its prompt echoed, round and round), prompt [5] stays in flight, [0] is refused, [666] kills the process.
+FAKE_CHILD = r"""
+import json, sys
+say = lambda obj: print(json.dumps(obj), flush=True)
+say({"ready": True, "device": "fake", "version": "0"})
+for line in sys.stdin:
+    ask = json.loads(line)
+    if ask["op"] != "add":
+        continue
+    ids, n = ask["ids"], ask["params"]["max_tokens"]
+    if ids == [666]:
+        sys.exit(3)
+    if ids == [0]:
+        say({"id": ask["id"], "error": "ValueError: refused"})
+        continue
+    if ids == [7]:
+        say({"id": ask["id"], "error": json.dumps(ask["params"], sort_keys=True)})
+        continue
+    for i in range(1 if ids == [5] else n):
+        last = ids != [5] and i == n - 1
+        if last:
+            say({"stats": {"forwards": n, "draft_tokens": 2 * n}})
+        say({"id": ask["id"], "tokens": [ids[i % len(ids)]], "finished": last,
+             "finish_reason": "length" if last else None})
+"""
+
+
+def test_vllm_loop_streams_requests_and_fails_them_when_the_child_dies():
+    """The replica's side of the vLLM child process: tokens stream to their request, an abort drops
+    the request, a refused request gets a 400 event; when the child exits every request in flight
+    gets a 500 event (no hang), new ones are refused and the health check fails."""
+    import asyncio
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    from hvd_ray.engine import SamplingParams
+    from hvd_ray.serving.replica import ReplicaFront, _Stream
+    from hvd_ray.serving.vllm_replica import VllmLoop
+
+    async def main():
+        loop = VllmLoop([sys.executable, "-c", FAKE_CHILD])
+        aio = asyncio.get_running_loop()
+        streams = {name: _Stream(aio, asyncio.Queue()) for name in ("ok", "gone", "bad", "params", "a", "b")}
+
+        async def get(name):
+            return await asyncio.wait_for(streams[name].queue.get(), timeout=20)
+
+        try:
+            loop.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.5, seed=7), "ok", streams["ok"])
+            evs = [await get("ok") for _ in range(3)]
+            assert [e["tokens"] for e in evs] == [[1], [2], [3]]
+            assert [e["finished"] for e in evs] == [False, False, True] and evs[-1]["finish_reason"] == "length"
+            s = loop.stats()
+            assert (s["finished"], s["generated_tokens"], s["running"], s["healthy"]) == (1, 3, 0, True)
+            assert s["vllm"]["draft_tokens"] == 6 and s["vllm"]["version"] == "0"
+
+            loop.submit([5], SamplingParams(), "gone", streams["gone"])
+            assert (await get("gone"))["tokens"] == [5]
+            loop.abort("gone")
+            assert loop.stats()["aborted"] == 1 and loop.stats()["running"] == 0
+
+            loop.submit([0], SamplingParams(), "bad", streams["bad"])
+            ev = await get("bad")
+            assert ev["type"] == "error" and ev["status"] == 400 and "refused" in ev["message"]
+            sp = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.8, top_k=20, seed=7, stop=["x"],
+                                stop_token_ids=[4], ignore_eos=True)
+            loop.submit([7], sp, "params", streams["params"])  # what reaches vLLM's SamplingParams
+            assert json.loads((await get("params"))["message"].partition(": ")[2]) == {
+                "ignore_eos": True, "max_tokens": 9, "seed": 7, "stop_token_ids": [4], "temperature": 0.5,
+                "top_k": 20, "top_p": 0.8}
+
+            loop.submit([5], SamplingParams(), "a", streams["a"])
+            assert (await get("a"))["tokens"] == [5]
+            loop.submit([666], SamplingParams(), "b", streams["b"])  # the child dies with "a" in flight
+            for name in ("a", "b"):
+                ev = await get(name)
+                assert ev["type"] == "error" and ev["status"] == 500 and "rc 3" in ev["message"], ev
+            with pytest.raises(RuntimeError, match="the vLLM process failed"):
+                loop.submit([1], SamplingParams(), "c", _Stream(aio, asyncio.Queue()))
+            assert not loop.stats()["healthy"]
+            with pytest.raises(RuntimeError, match="engine loop is not running"):
+                ReplicaFront.check_health(SimpleNamespace(loop=loop))
+        finally:
+            loop.shutdown()
+        assert loop.proc.poll() is not None
+
+    asyncio.run(main())
+
+
+def test_the_vllm_replica_streams_text_through_the_shared_request_path(default_folder):
+    """The vLLM replica's request path is ModelReplica's (``ReplicaFront``): tokenising, validation,
+    detokenised deltas, a stop string cutting the text (and aborting the request in the child when
+    it is still running there)."""
+    import asyncio
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from hvd_ray.serving.config import ServingConfig
+    from hvd_ray.serving.replica import ReplicaFront
+    from hvd_ray.serving.vllm_replica import VllmLoop
+
+    front = ReplicaFront()
+    front.cfg, front.tok = ServingConfig(backend="vllm", vllm_python="/x"), AutoTokenizer.from_pretrained(default_folder)
+    front.max_len, front.vocab_size = 256, len(front.tok)
+    params = {"max_tokens": None, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [],
+              "stop_token_ids": [], "ignore_eos": False}
+
+    async def run(req):
+        return [ev async for ev in front.generate(req)]
+
+    async def main():
+        front.loop = VllmLoop([sys.executable, "-c", FAKE_CHILD])
+        try:
+            evs = await run({"prompt": "one two three four", "params": {**params, "max_tokens": 4}})
+            assert evs[0] == {"type": "start", "prompt_tokens": 4}
+            assert "".join(e["text"] for e in evs if e["type"] == "delta") == "one two three four"
+            assert evs[-1]["finish_reason"] == "length" and evs[-1]["completion_tokens"] == 4
+
+            evs = await run({"prompt": "one two three four", "params": {**params, "max_tokens": 8, "stop": [" three"]}})
+            assert "".join(e["text"] for e in evs if e["type"] == "delta") == "one two"
+            assert evs[-1]["finish_reason"] == "stop" and front.loop.stats()["running"] == 0
+
+            evs = await run({"prompt_token_ids": [len(front.tok)], "params": params})
+            vocab = len(front.tok)
+            assert evs == [{"type": "error", "status": 400, "message": f"prompt token ids must be in [0, {vocab})",
+                            "param": "prompt", "code": None}]
+            evs = await run({"prompt_token_ids": [0], "params": params})  # the child refuses it
+            assert evs[-1]["type"] == "error" and evs[-1]["status"] == 400 and "refused" in evs[-1]["message"]
+        finally:
+            front.loop.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_vllm_backed_serve_app_answers_the_openai_client(default_folder):
+    """``build_app({"backend": "vllm"})`` on a real local Ray: the official ``openai`` client gets a
+    completion and a streamed chat completion whose fp32 greedy text (and token count) is our own
+    engine's; a repeated prompt streams the same text; stop strings and max_tokens pass through, and
+    sampling (which vLLM-CPU cannot do under speculation) is refused with a 400; HvdProposer drafted (the replica's stats); killing the vLLM process fails the
+    request in flight with an error and the health check."""
+    import signal
+
+    import openai
+    import requests
+    from conftest import serve_app
+
+    from hvd_ray.engine import Engine, SamplingParams
+    from hvd_ray.model import load
+
+    model, tok = load("default", "float32")
+    ids = real_prompts(tok, per_workload=1)[3]  # code editing: the answer repeats the prompt's code
+    messages = [{"role": "user", "content": "List the numbers from 1 to 12, one per line."}]
+    chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+    ours = Engine(model, max_batch=2, max_len=1024).generate([ids, chat_ids], [SamplingParams(max_tokens=48),
+                                                                               SamplingParams(max_tokens=32)])
+    want = [tok.decode(r.output, skip_special_tokens=True) for r in ours]
+    del model
+
+    cfg = {"backend": "vllm", "vllm_python": VLLM_PYTHON, "dtype": "float32", "max_batch": 2, "max_model_len": 1024,
+           "max_tokens": 256}
+    with serve_app(cfg, "vllm-backend") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        c = client.completions.create(model="default", prompt=ids, max_tokens=48, temperature=0)
+        assert c.choices[0].text == want[0] and c.usage.completion_tokens == len(ours[0].output)
+
+        parts, finish = [], None
+        for chunk in client.chat.completions.create(model="default", messages=messages, max_tokens=32,
+                                                    temperature=0, stream=True):
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        assert "".join(parts) == want[1] and finish == ours[1].finish_reason
+        again = "".join(ch.choices[0].text for ch in client.completions.create(
+            model="default", prompt=ids, max_tokens=48, temperature=0, stream=True) if ch.choices)
+        assert again == want[0]
+
+        cut = want[0][len(want[0]) // 2:][:6]
+        stopped = client.completions.create(model="default", prompt=ids, max_tokens=48, temperature=0, stop=[cut])
+        assert stopped.choices[0].text == want[0][: want[0].index(cut)] and stopped.choices[0].finish_reason == "stop"
+        # vLLM-CPU cannot sample under speculative decoding: a clear 400, and the replica stays up
+        with pytest.raises(openai.BadRequestError, match="CPU build cannot sample"):
+            client.completions.create(model="default", prompt="Once upon a time", max_tokens=5, temperature=0.9,
+                                      top_p=0.9, seed=3, extra_body={"top_k": 40})
+
+        stats = requests.get(f"{url}/stats", timeout=30).json()
+        assert stats["backend"] == "vllm" and stats["healthy"] and stats["failed"] == 1, stats
+        assert stats["finished"] + stats["aborted"] == 4, stats
+        v = stats["vllm"]  # hvd-ray's worker extension in vLLM: target forwards, draft tokens, proposer counts
+        assert v["draft_tokens"] > 0 and v["proposer"]["requests"] >= 3, v  # the stopped one may not be in yet
+        assert v["proposer"]["cache_steps"] > 0 and v["proposer"]["accepted"] > 0, v
+
+        live = client.chat.completions.create(model="default", messages=messages, max_tokens=200, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+        next(iter(live))
+        os.kill(v["pid"], signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="engine failure"):
+            for _ in live:
+                pass
+        assert requests.get(f"{url}/health", timeout=30).status_code == 503

@@ -11,6 +11,10 @@ dicts, first ``{"type": "start", ...}`` or ``{"type": "error", ...}``, then ``de
 final ``finish`` event. Errors are events rather than exceptions so their status and message cross
 the handle intact.
 
+The request path around the loop (tokenising, validation, params, stop strings, streaming,
+metrics) is ``ReplicaFront``'s, shared with the vLLM-backed replica (``vllm_replica.py``), whose
+loop is a vLLM child process with the same interface.
+
 Failures: a request the engine fails alone (its drafting, sampling or verification raised) gets a
 500 error event and the loop goes on. If the loop itself fails (the shared target forward raised,
 so the KV cache's state is unknown) every request in flight or queued gets a 500 event at once,
@@ -29,6 +33,7 @@ import traceback
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 from ray import serve
@@ -66,6 +71,20 @@ class _Metrics:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+
+
+def deliver(stream: _Stream, payload) -> None:
+    """Hand an event to a request's queue from the engine's thread."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, payload)
+    except RuntimeError:  # the request's event loop is gone
+        pass
+
+
+def engine_failure(e: BaseException) -> dict:
+    """The event every request in flight gets when its engine fails (its state is unknown)."""
+    return {"type": "error", "status": 500, "message": f"engine failure: {e!r}", "error_type": "server_error",
+            "code": "engine_failure"}
 
 
 class EngineLoop:
@@ -128,7 +147,7 @@ class EngineLoop:
                 try:
                     req = self.engine.add_request(ids, params, req_id)
                 except Exception as e:  # noqa: BLE001 - validated before submit; a last line of defence
-                    self._deliver(stream, {"type": "error", "status": 400, "message": str(e)})
+                    deliver(stream, {"type": "error", "status": 400, "message": str(e)})
                     continue
                 self._reqs[req_id] = (req, stream)
             else:
@@ -138,12 +157,6 @@ class EngineLoop:
                 if entry is not None and entry[0].slot < 0:  # never admitted: gone without a StepOutput
                     del self._reqs[req_id]
                     self.aborted += 1
-
-    def _deliver(self, stream: _Stream, payload) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, payload)
-        except RuntimeError:  # the request's event loop is gone
-            pass
 
     def _run(self) -> None:
         try:
@@ -182,8 +195,7 @@ class EngineLoop:
         streams = [entry[1] for entry in self._reqs.values()] + [it[4] for it in queued if it[0] == "add"]
         self._reqs.clear()
         for stream in streams:
-            self._deliver(stream, {"type": "error", "status": 500, "message": f"engine failure: {e!r}",
-                                   "error_type": "server_error", "code": "engine_failure"})
+            deliver(stream, engine_failure(e))
 
     def _dispatch(self, out) -> None:
         entry = self._reqs.get(out.req_id)
@@ -193,8 +205,8 @@ class EngineLoop:
         if out.finish_reason == "error":  # the engine failed this request alone
             del self._reqs[out.req_id]
             self.failed += 1
-            self._deliver(stream, {"type": "error", "status": 500, "message": f"this request failed: {out.error}",
-                                   "error_type": "server_error", "code": "request_failed"})
+            deliver(stream, {"type": "error", "status": 500, "message": f"this request failed: {out.error}",
+                             "error_type": "server_error", "code": "request_failed"})
             return
         payload = {"type": "tokens", "tokens": out.new_tokens, "finished": out.finished,
                    "finish_reason": out.finish_reason}
@@ -220,7 +232,7 @@ class EngineLoop:
                 self.aborted += 1
             else:
                 self.finished += 1
-        self._deliver(stream, payload)
+        deliver(stream, payload)
 
     def _publish_queue(self) -> None:
         if self.metrics:
@@ -228,54 +240,28 @@ class EngineLoop:
             self.metrics.running.set(sum(1 for r in self.engine.running if not r.finished))
 
 
-# ------------------------------------------------------------------------------ the deployment
-@serve.deployment(name="ModelReplica", max_ongoing_requests=8, health_check_period_s=2)
-class ModelReplica:
-    """Holds the target model and an Engine with the configured drafter."""
+# ------------------------------------------------------------------------------ the deployments
+class ReplicaFront:
+    """What every model replica does around its engine loop: tokenise and validate a request, parse
+    its params, stream its events (``generate``), count it, report health. A subclass sets ``cfg``,
+    ``tok``, ``loop`` (``submit`` / ``abort`` / ``shutdown``, ``error``, ``_thread``), ``metrics``,
+    ``max_len`` (context per request), ``reserved`` (tokens a request must leave free past its
+    output: the engine's draft room) and ``vocab_size``; :class:`ModelReplica` runs hvd-ray's
+    engine, ``vllm_replica.VllmReplica`` vLLM's."""
 
-    def __init__(self, config: dict):
-        cfg = ServingConfig.model_validate(config)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        import torch
+    cfg: ServingConfig
+    loop: Any
+    metrics: _Metrics | None = None
+    max_len: int
+    reserved: int = 0
+    vocab_size: int
 
-        from ..build import build_engine
-        from ..model import load
-
-        if cfg.torch_threads:
-            torch.set_num_threads(max(1, min(cfg.torch_threads, os.cpu_count() or 1)))
-        self.cfg = cfg
-        if cfg.tensor_parallel_size > 1:  # the model lives sharded in rank actors (tensor_parallel.py)
-            from .tensor_parallel import TensorParallelEngine
-
-            self.engine = TensorParallelEngine.from_serving_config(cfg)
-            self.model, self.tok = self.engine.model, self.engine.tokenizer
-        else:
-            self.model, self.tok = load(cfg.model, cfg.dtype, cfg.device)
-            self.engine = build_engine(cfg.engine_spec(), self.model, self.tok, suffix_cache=self._suffix_cache(cfg))
+    def _start_metrics(self) -> None:
         try:
-            self.metrics: _Metrics | None = _Metrics()
+            self.metrics = _Metrics()
         except Exception:  # noqa: BLE001 - metrics must never keep a replica from serving
             logger.warning("metrics disabled:\n%s", traceback.format_exc())
             self.metrics = None
-        self.loop = EngineLoop(self.engine, self.metrics)
-        logger.info("ModelReplica ready: model=%s dtype=%s drafter=%s max_batch=%d max_len=%d threads=%d",
-                    cfg.model, cfg.dtype, cfg.drafter, cfg.max_batch, self.engine.max_len, torch.get_num_threads())
-
-    @staticmethod
-    def _suffix_cache(cfg: ServingConfig):
-        """The shared suffix actor's proxy for the engine's suffix drafter (None: an in-process one).
-        The actor warms its own trees with ``suffix_history``; the engine builder warms a mirror's."""
-        if not (cfg.suffix_actor and cfg.drafter in ("suffix", "hvd")):
-            return None
-        from ..selection.hvd import suffix_config
-        from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
-
-        conf = suffix_config(cfg.policy if cfg.drafter == "hvd" else "none")
-        actor = service_actor(cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history)
-        if cfg.suffix_actor_mode == "mirror":
-            return MirroredSuffixDrafter(actor, conf)
-        return RemoteSuffixDrafter(actor, config=conf)
 
     # ---- Serve hooks
     def check_health(self) -> None:
@@ -287,23 +273,7 @@ class ModelReplica:
         if loop is not None:
             loop.shutdown()
 
-    # ---- methods called by the ingress
-    def info(self) -> dict:
-        return {"model": self.cfg.model_id, "max_model_len": self.engine.max_len,
-                "max_tokens": self.cfg.max_tokens, "drafter": self.cfg.drafter, "dtype": self.cfg.dtype,
-                "policy": self.cfg.policy if self.cfg.drafter == "hvd" else None,
-                "slim": self.cfg.slim, "slim_mode": self.cfg.slim_mode if self.cfg.slim else None}
-
-    def stats(self) -> dict:
-        """Engine-loop figures plus per-drafter state (live requests it tracks, actor wait time)."""
-        out = self.loop.stats()
-        drafters = getattr(self.engine, "drafters", [])
-        out["drafters"] = {d.name: d.stats() for d in drafters}
-        out["live_drafter_requests"] = sum(d.live_requests() for d in drafters)
-        out["decode_s"] = self.loop.decode_s
-        out["rss_bytes"] = psutil.Process().memory_info().rss  # leak checks under load (bench/load.py)
-        return out
-
+    # ---- the request path (called by the ingress)
     def _tokenize(self, req: dict) -> tuple[list[int], str]:
         if req.get("messages") is not None:
             try:
@@ -313,7 +283,7 @@ class ModelReplica:
             return self.tok(text, add_special_tokens=False)["input_ids"], "messages"
         if req.get("prompt_token_ids") is not None:
             ids = list(req["prompt_token_ids"])
-            vocab = self.model.cfg.vocab_size
+            vocab = self.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise _ClientError(f"prompt token ids must be in [0, {vocab})", "prompt")
             return ids, "prompt"
@@ -323,16 +293,16 @@ class ModelReplica:
         from ..engine import SamplingParams
 
         sp = dict(req["params"])
-        room = self.engine.max_len - n_prompt - self.engine.num_draft_tokens - 1
+        room = self.max_len - n_prompt - self.reserved - 1
         if room < 1:
             raise _ClientError(f"the prompt is {n_prompt} tokens, which leaves no room to generate in this "
-                               f"model's context of {self.engine.max_len} tokens", param,
+                               f"model's context of {self.max_len} tokens", param,
                                code="context_length_exceeded")
         if sp["max_tokens"] is None:
             sp["max_tokens"] = min(self.cfg.max_tokens, room)
         elif sp["max_tokens"] > room:
             raise _ClientError(f"the prompt ({n_prompt} tokens) + max_tokens ({sp['max_tokens']}) exceeds this "
-                               f"model's context of {self.engine.max_len} tokens (at most {room} new tokens "
+                               f"model's context of {self.max_len} tokens (at most {room} new tokens "
                                "fit)", "max_tokens", code="context_length_exceeded")
         try:
             return SamplingParams(**sp)
@@ -404,6 +374,69 @@ class ModelReplica:
         except Exception:  # noqa: BLE001
             logger.exception("metrics update failed")
 
+
+@serve.deployment(name="ModelReplica", max_ongoing_requests=8, health_check_period_s=2)
+class ModelReplica(ReplicaFront):
+    """Holds the target model and an Engine with the configured drafter."""
+
+    def __init__(self, config: dict):
+        cfg = ServingConfig.model_validate(config)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import torch
+
+        from ..build import build_engine
+        from ..model import load
+
+        if cfg.torch_threads:
+            torch.set_num_threads(max(1, min(cfg.torch_threads, os.cpu_count() or 1)))
+        self.cfg = cfg
+        if cfg.tensor_parallel_size > 1:  # the model lives sharded in rank actors (tensor_parallel.py)
+            from .tensor_parallel import TensorParallelEngine
+
+            self.engine = TensorParallelEngine.from_serving_config(cfg)
+            self.model, self.tok = self.engine.model, self.engine.tokenizer
+        else:
+            self.model, self.tok = load(cfg.model, cfg.dtype, cfg.device)
+            self.engine = build_engine(cfg.engine_spec(), self.model, self.tok, suffix_cache=self._suffix_cache(cfg))
+        self.max_len, self.reserved = self.engine.max_len, self.engine.num_draft_tokens
+        self.vocab_size = self.model.cfg.vocab_size
+        self._start_metrics()
+        self.loop = EngineLoop(self.engine, self.metrics)
+        logger.info("ModelReplica ready: model=%s dtype=%s drafter=%s max_batch=%d max_len=%d threads=%d",
+                    cfg.model, cfg.dtype, cfg.drafter, cfg.max_batch, self.engine.max_len, torch.get_num_threads())
+
+    @staticmethod
+    def _suffix_cache(cfg: ServingConfig):
+        """The shared suffix actor's proxy for the engine's suffix drafter (None: an in-process one).
+        The actor warms its own trees with ``suffix_history``; the engine builder warms a mirror's."""
+        if not (cfg.suffix_actor and cfg.drafter in ("suffix", "hvd")):
+            return None
+        from ..selection.hvd import suffix_config
+        from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
+
+        conf = suffix_config(cfg.policy if cfg.drafter == "hvd" else "none")
+        actor = service_actor(cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history)
+        if cfg.suffix_actor_mode == "mirror":
+            return MirroredSuffixDrafter(actor, conf)
+        return RemoteSuffixDrafter(actor, config=conf)
+
+    # ---- methods called by the ingress
+    def info(self) -> dict:
+        return {"model": self.cfg.model_id, "max_model_len": self.engine.max_len,
+                "max_tokens": self.cfg.max_tokens, "drafter": self.cfg.drafter, "dtype": self.cfg.dtype,
+                "policy": self.cfg.policy if self.cfg.drafter == "hvd" else None,
+                "slim": self.cfg.slim, "slim_mode": self.cfg.slim_mode if self.cfg.slim else None}
+
+    def stats(self) -> dict:
+        """Engine-loop figures plus per-drafter state (live requests it tracks, actor wait time)."""
+        out = self.loop.stats()
+        drafters = getattr(self.engine, "drafters", [])
+        out["drafters"] = {d.name: d.stats() for d in drafters}
+        out["live_drafter_requests"] = sum(d.live_requests() for d in drafters)
+        out["decode_s"] = self.loop.decode_s
+        out["rss_bytes"] = psutil.Process().memory_info().rss  # leak checks under load (bench/load.py)
+        return out
 
 class _ClientError(Exception):
     def __init__(self, message: str, param: str | None, code: str | None = None):
