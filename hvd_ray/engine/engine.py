@@ -335,6 +335,7 @@ class Engine:
             produced += len(emitted)
             req.stats.steps.append(StepRecord(
                 d.source or "none", len(d), accepted, draft_s / B, verify_s / B, predicted[b], capped=capped[b],
+                plain=not self._drafting,
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
                 full_forward=b not in settled))
             try:
