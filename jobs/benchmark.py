@@ -56,14 +56,16 @@ def main() -> None:
     ap.add_argument("--warm-traces", default=None,
                     help="spec: seed suffix drafters' global trees with the train-split outputs in this trace folder")
     ap.add_argument("--servers", nargs="+", default=["none", "hvd:mirror", "hvd:remote"],
-                    help="http: servers to run, drafter[:suffix_actor_mode] (hvd, suffix, none, ...; mirror | remote)")
+                    help="http: servers to run, drafter[:suffix_actor_mode][@torch_threads] (hvd, suffix, none, "
+                         "...; mirror | remote; threads: the serving default)")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8],
                     help="http: concurrent streaming clients, one measurement per value")
     ap.add_argument("--fresh-prompts", action="store_true",
                     help="http: every concurrency level sends its own held-out prompts, none sent twice (cold caches)")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of in-process runs (http servers: "
+                    "drafter@threads, else the serving default)")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_NAMES),

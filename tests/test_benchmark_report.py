@@ -181,3 +181,22 @@ def test_spec_regimes_and_the_dominance_table(tmp_path):
     assert fwd("warm-repeat") < fwd("cold")
     same = md.split("Outputs identical to greedy (fp32): ")[1].split("\n")[0]
     assert same == "suffix 4/4, hvd-cost 4/4, oracle 4/4", same
+
+
+@pytest.mark.slow
+def test_memory_job_reports_rss_heap_and_tensors(tmp_path):
+    """jobs/memory.py (benchmarks/memory.md) on the serving build of drafter hvd: two waves of two
+    requests, one row per wave with the three measures, and the tensors our engine holds do not grow."""
+    import json
+
+    out = tmp_path / "memory.md"
+    res = subprocess.run([sys.executable, str(ROOT / "jobs" / "memory.py"), "--drafters", "hvd", "--waves", "2",
+                          "--requests", "2", "--max-tokens", "4", "--threads", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["drafter"], r["wave"], r["requests"]) for r in rows] == [("hvd", 1, 2), ("hvd", 2, 4)]
+    assert all(r["rss_mib"] > r["tensor_mib"] > 500 and r["python_mib"] > 0 for r in rows)  # fp32 weights: ~540 MiB
+    assert rows[1]["tensor_mib"] == rows[0]["tensor_mib"]
+    text = out.read_text()
+    assert "| `hvd` | 4 |" in text and "python jobs/memory.py --drafters hvd" in text

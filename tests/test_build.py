@@ -70,6 +70,19 @@ def test_serving_config_maps_to_the_spec():
         assert ServingConfig.model_fields[name].description == f.metadata["help"], name
 
 
+def test_serving_threads_leave_a_core_to_serve(monkeypatch):
+    """By default a replica runs torch on all cores but one: on 2 cores, 2 threads stall whenever Serve's
+    proxy, the ingress or a client runs (benchmarks/http_concurrency.md: 1 thread was faster there)."""
+    import os
+
+    from hvd_ray.serving.config import ServingConfig
+
+    for cores, default in ((1, 1), (2, 1), (16, 15)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert ServingConfig().threads() == default
+        assert ServingConfig(torch_threads=4).threads() == min(4, cores)  # asked for: capped by the cores
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
     from hvd_ray.model.transformer import Transformer

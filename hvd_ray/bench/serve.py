@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..model import resolve
 from .machine import DTYPE_NAMES, command, machine_line
+from ..serving.config import ServingConfig
 from .prompts import prompt_ids
 
 
@@ -70,17 +71,24 @@ def _stats(base: str) -> dict:
         return c.get("/stats").json()
 
 
+def _parse_server(args, server: str) -> tuple[str, str, int | None]:
+    """``drafter[:suffix_actor_mode][@torch_threads]`` -> (drafter, mode, threads); threads None:
+    the serving default (``ServingConfig.threads``), what a user's replica gets."""
+    spec, _, threads = server.partition("@")
+    drafter, _, mode = spec.partition(":")
+    return drafter, mode or "mirror", int(threads) if threads else None
+
+
 def _server_config(args, server: str, i: int) -> dict:
-    drafter, _, mode = server.partition(":")
+    drafter, mode, threads = _parse_server(args, server)
     return {"model": "default", "dtype": args.dtype, "drafter": drafter, "max_batch": 8,
-            "max_model_len": 2048, "max_tokens": 1024, "torch_threads": args.threads, "num_replicas": 1,
+            "max_model_len": 2048, "max_tokens": 1024, "torch_threads": threads, "num_replicas": 1,
             "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1},
-            "suffix_actor_mode": mode or "mirror", "suffix_actor_name": f"hvd-bench-suffix-{i}"}
+            "suffix_actor_mode": mode, "suffix_actor_name": f"hvd-bench-suffix-{i}"}
 
 
 def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) -> str:
-    drafter, _, mode = server.partition(":")
-    mode = mode or "mirror"
+    drafter, mode, threads = _parse_server(args, server)
     lines = [
         f"# HTTP benchmark: the Ray Serve app at concurrency {', '.join(map(str, args.concurrency))}",
         "",
@@ -89,7 +97,8 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         f"Server: one replica, SmolLM2-135M-Instruct {DTYPE_NAMES[args.dtype]}, drafter `{drafter}`"
         + (f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
            + (" + shipped EAGLE-3 head, cost policy)" if drafter == "hvd" else ")") if drafter in ("hvd", "suffix") else "")
-        + f", max_batch 8, {args.threads} torch threads; greedy, up to {args.max_tokens} new tokens; "
+        + f", max_batch 8, {ServingConfig(torch_threads=threads).threads()} torch threads"
+        + (" (the serving default: all cores but one)" if threads is None else "") + "; greedy, up to {args.max_tokens} new tokens; "
         f"{n_prompts} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
         "(`/v1/completions`, SSE). "
         + ("Every level sends its own held-out prompts (test, then validation split; twice as many at "
@@ -100,10 +109,12 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         "",
         "Latency = request start to `[DONE]`; TTFT = request start to the first text chunk; "
         "actor wait = time the engine loop spent on suffix-drafter actor calls (blocked on them in `remote` mode; "
-        "submitting and polling background calls in `mirror` mode) / time inside engine steps.",
+        "submitting and polling background calls in `mirror` mode) / time inside engine steps; in steps = time "
+        "inside engine steps (prefill and decode) / wall time of the level, and tokens/forward = tokens a request gained "
+        "per target forward it took part in (finished requests).",
         "",
-        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait | in steps | tokens/forward |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
     ]
@@ -164,6 +175,8 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                 wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - \
                     sum(d.get("wait_s", 0.0) for d in s0["drafters"].values())
                 busy = s1["decode_s"] - s0["decode_s"]
+                steps = s1["decode_steps"] - s0["decode_steps"]  # requests' steps: forwards each request took part in
+                forward = (s1["decode_tokens"] - s0["decode_tokens"]) / steps if steps else 0.0
                 toks = sum(r["tokens"] for r in res)
                 raw[server][f"c{conc}"] = res
                 tps[(server, conc)] = toks / wall
@@ -171,7 +184,7 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                 rows[server].append(
                     f"| {conc} | {len(work)} | {len(work) / wall:.2f} | {toks / wall:.1f} | {_pct(lat, 0.5):.2f} | "
                     f"{_pct(lat, 0.99):.2f} | {_pct(ttft, 0.5):.2f} | {_pct(ttft, 0.99):.2f} | "
-                    f"{100 * wait / busy if busy else 0:.1f}% |")
+                    f"{100 * wait / busy if busy else 0:.1f}% | {100 * busy / wall:.0f}% | {forward:.2f} |")
                 print(f"{server}: {rows[server][-1]}", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()

@@ -89,7 +89,10 @@ class ServingConfig(BaseModel):
     max_batch: int = _spec("max_batch", 4, ge=1, le=256)
     max_model_len: int = _spec("max_len", ge=16)
     max_tokens: int = Field(1024, ge=1, description="the largest `max_tokens` a request may ask for (and the default)")
-    torch_threads: int | None = Field(2, ge=1, description="torch threads per replica (capped by the core count)")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per replica (capped by the core "
+                                      "count); default: all cores but one, which Serve's HTTP proxy, the "
+                                      "ingress and the clients need (with a torch thread on every core, any of "
+                                      "them running stalls every forward)")
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is sharded over (rank actors in a "
                                       "placement group, gloo on CPU / NCCL on GPU); at most the model's KV heads")
     tp_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1},
@@ -212,6 +215,11 @@ class ServingConfig(BaseModel):
         """What the replica's engine decodes with (``hvd_ray.build``), from this config's fields."""
         given = {name: getattr(self, name) for name in EngineSpec.__dataclass_fields__ if name in type(self).model_fields}
         return EngineSpec(**given, max_len=self.max_model_len)
+
+    def threads(self) -> int:
+        """Torch threads of one replica: ``torch_threads`` capped by the cores, else all but one."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(self.torch_threads or cores - 1, cores))
 
     def resolved_api_key(self) -> str | None:
         """The key requests must carry: ``api_key``, else the env ``HVD_RAY_API_KEY`` of the process

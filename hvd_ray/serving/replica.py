@@ -388,8 +388,7 @@ class ModelReplica(ReplicaFront):
         from ..build import build_engine
         from ..model import load
 
-        if cfg.torch_threads:
-            torch.set_num_threads(max(1, min(cfg.torch_threads, os.cpu_count() or 1)))
+        torch.set_num_threads(cfg.threads())
         self.cfg = cfg
         if cfg.tensor_parallel_size > 1:  # the model lives sharded in rank actors (tensor_parallel.py)
             from .tensor_parallel import TensorParallelEngine
@@ -435,6 +434,7 @@ class ModelReplica(ReplicaFront):
         out["drafters"] = {d.name: d.stats() for d in drafters}
         out["live_drafter_requests"] = sum(d.live_requests() for d in drafters)
         out["decode_s"] = self.loop.decode_s
+        out["decode_steps"], out["decode_tokens"] = self.loop.decode_steps, self.loop.decode_tokens
         out["rss_bytes"] = psutil.Process().memory_info().rss  # leak checks under load (bench/load.py)
         return out
 

@@ -175,7 +175,7 @@ class VllmReplica(ReplicaFront):
         self.tok = AutoTokenizer.from_pretrained(folder)
         self.vocab_size = int(json.loads((folder / "config.json").read_text())["vocab_size"])
         self.max_len = min(cfg.max_model_len, model_context(folder))
-        threads = max(1, min(cfg.torch_threads or 1, os.cpu_count() or 1))
+        threads = cfg.threads()
         job = {"folder": str(folder), "dtype": canonical_dtype(cfg.dtype), "max_batch": cfg.max_batch,
                "max_model_len": self.max_len, "threads": threads,
                "speculative_config": cfg.vllm_speculative_config(), "engine_args": cfg.vllm_engine_args}
