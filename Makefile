@@ -45,7 +45,7 @@ vllm-env:
 	  || { echo "WARNING: the vLLM env could not be built; the vLLM tests will skip"; rm -rf $(VLLM_VENV); }; fi
 
 # Test files run on two pytest-xdist workers (a file stays on one worker: its module fixtures, e.g. a
-# live Serve app, are built once); 19 min instead of 28 on 2 cores.
+# live Serve app, are built once); 14-16 min on 2 cores (vLLM tests included) instead of ~28 on one.
 TESTJOBS ?= 2
 test: model vllm-env
 	HVD_VLLM_PYTHON=$(VLLM_PYTHON) $(PYTHON) -m pytest -q -n $(TESTJOBS) --dist loadfile

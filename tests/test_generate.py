@@ -79,6 +79,11 @@ def test_sampling_params_and_stops(tiny_llama):
         engine.add_request(prompt, SamplingParams(max_tokens=1000))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):  # a tokenizer's output (a dict) instead of its ids
+        engine.add_request({"input_ids": prompt, "attention_mask": [1] * len(prompt)}, SamplingParams())
+    with pytest.raises(ValueError, match=r"must be in \[0, "):
+        engine.add_request(prompt + [model.cfg.vocab_size], SamplingParams())
+    assert engine.add_request(torch.tensor(prompt), SamplingParams()).prompt == prompt  # a tensor row works
 
 
 def test_abort_frees_the_slot(tiny_llama):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -66,14 +67,25 @@ class StepOutput:
     error: str | None = None  # finish_reason "error": what went wrong with this request
 
 
-def check_fits(prompt: Sequence[int], params: SamplingParams, num_draft_tokens: int, max_len: int) -> None:
-    """Reject a request that is empty or could outgrow its KV slot (prompt + output + one draft)."""
+def check_fits(prompt: Sequence[int], params: SamplingParams, num_draft_tokens: int, max_len: int,
+               vocab_size: int | None = None) -> list[int]:
+    """The prompt as a list of ints; rejects one that is not token ids (in ``[0, vocab_size)``), is
+    empty, or could outgrow its KV slot (prompt + output + one draft). A bad id would otherwise fail
+    the batch's shared forward, and with it every request in the batch."""
+    try:
+        prompt = [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d integer tensors
+    except TypeError:
+        raise ValueError("the prompt must be a sequence of token ids (ints), e.g. a tokenizer's "
+                         "input_ids, not a tokenizer's output or text") from None
     if not prompt:
         raise ValueError("the prompt is empty")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     if len(prompt) + params.max_tokens + num_draft_tokens + 1 > max_len:
         raise ValueError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
             f"context this engine was set up for ({max_len} tokens)")
+    return prompt
 
 
 class Engine:
@@ -128,8 +140,7 @@ class Engine:
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
                     req_id: str | None = None) -> Request:
         params = params or SamplingParams()
-        prompt = list(prompt)
-        check_fits(prompt, params, self.num_draft_tokens, self.max_len)
+        prompt = check_fits(prompt, params, self.num_draft_tokens, self.max_len, self.model.cfg.vocab_size)
         req = Request(req_id or f"req-{next(self._ids)}", prompt, params)
         if not params.greedy:
             req.generator = torch.Generator(device=self.model.device)

@@ -229,8 +229,7 @@ class TensorParallelEngine:
                     req_id: str | None = None) -> Request:
         """Queue a request for every rank (sent with the next step); returns its local mirror."""
         params = params or SamplingParams()
-        prompt = list(prompt)
-        check_fits(prompt, params, self.num_draft_tokens, self.max_len)
+        prompt = check_fits(prompt, params, self.num_draft_tokens, self.max_len)  # the ranks check the ids' range
         req_id = req_id or f"tp-req-{next(self._ids)}"
         if req_id in self._reqs:
             raise ValueError(f"request id {req_id!r} is already in use")
