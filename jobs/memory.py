@@ -27,18 +27,16 @@ def _rss_mib() -> float:
 
 
 def _tensor_mib() -> float:
-    """Bytes of the distinct storages of every tensor the garbage collector can see."""
+    """Bytes of the distinct storages of every strided tensor the garbage collector can see (the
+    prepacked mkldnn weights have no storage to read; they are built once, at load)."""
     import gc
 
     import torch
 
     seen, total = set(), 0
     for o in gc.get_objects():
-        if torch.is_tensor(o):
-            try:
-                st = o.untyped_storage()
-            except (NotImplementedError, RuntimeError):  # opaque (e.g. mkldnn) tensors
-                continue
+        if torch.is_tensor(o) and o.layout == torch.strided:
+            st = o.untyped_storage()
             if st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
                 total += st.nbytes()

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from ..model import resolve
-from .machine import DTYPE_NAMES, command, machine_line
 from ..serving.config import ServingConfig
+from .machine import DTYPE_NAMES, command, machine_line
 from .prompts import prompt_ids
 
 
@@ -71,7 +71,7 @@ def _stats(base: str) -> dict:
         return c.get("/stats").json()
 
 
-def _parse_server(args, server: str) -> tuple[str, str, int | None]:
+def _parse_server(server: str) -> tuple[str, str, int | None]:
     """``drafter[:suffix_actor_mode][@torch_threads]`` -> (drafter, mode, threads); threads None:
     the serving default (``ServingConfig.threads``), what a user's replica gets."""
     spec, _, threads = server.partition("@")
@@ -80,7 +80,7 @@ def _parse_server(args, server: str) -> tuple[str, str, int | None]:
 
 
 def _server_config(args, server: str, i: int) -> dict:
-    drafter, mode, threads = _parse_server(args, server)
+    drafter, mode, threads = _parse_server(server)
     return {"model": "default", "dtype": args.dtype, "drafter": drafter, "max_batch": 8,
             "max_model_len": 2048, "max_tokens": 1024, "torch_threads": threads, "num_replicas": 1,
             "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1},
@@ -88,7 +88,7 @@ def _server_config(args, server: str, i: int) -> dict:
 
 
 def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) -> str:
-    drafter, mode, threads = _parse_server(args, server)
+    drafter, mode, threads = _parse_server(server)
     lines = [
         f"# HTTP benchmark: the Ray Serve app at concurrency {', '.join(map(str, args.concurrency))}",
         "",
@@ -98,7 +98,8 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         + (f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
            + (" + shipped EAGLE-3 head, cost policy)" if drafter == "hvd" else ")") if drafter in ("hvd", "suffix") else "")
         + f", max_batch 8, {ServingConfig(torch_threads=threads).threads()} torch threads"
-        + (" (the serving default: all cores but one)" if threads is None else "") + "; greedy, up to {args.max_tokens} new tokens; "
+        + (" (the serving default: all cores but one)" if threads is None else "")
+        + f"; greedy, up to {args.max_tokens} new tokens; "
         f"{n_prompts} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
         "(`/v1/completions`, SSE). "
         + ("Every level sends its own held-out prompts (test, then validation split; twice as many at "
