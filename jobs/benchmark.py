@@ -6,6 +6,8 @@ Modes:
           (hvd_ray/bench/report.py); --quick: 2 prompts per workload, 48 tokens, no HTTP unless --http
   engine  own engine vs transformers ``generate`` (batch 1 and 8) + the k-token verify cost table
   spec    greedy vs each speculative drafter on real prompts: MAT, target forwards / 1k tokens, tok/s
+  batch   closed-loop load in one process at each --concurrency: greedy vs --drafters (e.g. hvd-cost),
+          engines stepping in turn (hvd_ray/bench/batch.py)
   http    the Ray Serve app over HTTP at concurrency 1 and 8: requests/s, tokens/s, latency, TTFT
   vllm    HVD's cache side inside vLLM (hvd_ray.vllm) vs vLLM's greedy and suffix decoding, in the vLLM
           interpreter: target forwards, tokens per forward, tok/s (hvd_ray/bench/vllm_bench.py)
@@ -13,6 +15,7 @@ Modes:
     python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
     python jobs/benchmark.py spec [--quick] [--warm-traces DIR] [--prompt-file my.jsonl [--split all]]
+    python jobs/benchmark.py batch --drafters hvd-cost --concurrency 8 [--dtype float32] [--threads 1]
     python jobs/benchmark.py http [--quick] [--servers none hvd:mirror hvd:remote]
     python jobs/benchmark.py vllm --vllm-python VENV/bin/python [--workloads function_calling code] [--prompts 4]
 """
@@ -29,6 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from hvd_ray.bench.batch import bench_batch  # noqa: E402
 from hvd_ray.bench.engine_speed import bench_engine  # noqa: E402
 from hvd_ray.bench.machine import DTYPE_NAMES  # noqa: E402
 from hvd_ray.bench.prompts import user_workloads  # noqa: E402
@@ -44,7 +48,7 @@ WORKLOADS = ("function_calling", "code", "code_edit", "chat")  # multi-turn BFCL
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "http", "vllm"])
+    ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "batch", "http", "vllm"])
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
     add_spec_arguments(ap, only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens"),
@@ -104,7 +108,7 @@ def main() -> None:
         args.http_out = args.out or BENCHMARKS / "http.md"
         bench_http_servers(args)
         return
-    report = {"engine": bench_engine, "spec": bench_spec, "vllm": bench_vllm}[args.mode](args)
+    report = {"engine": bench_engine, "spec": bench_spec, "vllm": bench_vllm, "batch": bench_batch}[args.mode](args)
     write(report, Path(args.out or BENCHMARKS / f"{args.mode}.md"))
 
 

@@ -200,3 +200,20 @@ def test_memory_job_reports_rss_heap_and_tensors(tmp_path):
     assert rows[1]["tensor_mib"] == rows[0]["tensor_mib"]
     text = out.read_text()
     assert "| `hvd` | 4 |" in text and "python jobs/memory.py --drafters hvd" in text
+
+
+@pytest.mark.slow
+def test_batch_mode_runs_methods_in_closed_loop_losslessly(tmp_path):
+    """``jobs/benchmark.py batch``: greedy and hvd-cost keep two requests running each over four real
+    prompts (fp32), taking turns step by step on their own model copies; hvd-cost's outputs are
+    greedy's (packed verify forwards with per-row draft lengths), and the table has a row per method."""
+    out = tmp_path / "batch.md"
+    res = subprocess.run([sys.executable, str(ROOT / "jobs" / "benchmark.py"), "batch", "--drafters", "hvd-cost",
+                          "--concurrency", "2", "--prompts", "2", "--max-tokens", "24", "--workloads", "code", "chat",
+                          "--dtype", "float32", "--threads", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 2 |")]
+    assert [r[1] for r in rows] == ["greedy", "hvd-cost"]
+    assert all(r[-1] == "4/4 |" and int(r[2]) > 0 for r in rows)
+    assert float(rows[1][5]) >= 1.0  # tokens per forward

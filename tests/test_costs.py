@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_ray.engine.costs import StepCosts, batch_cap, interpolate, measure_step_costs, monotone
+from hvd_ray.engine.costs import StepCosts, batch_lengths, interpolate, measure_step_costs, monotone
 from hvd_ray.model.transformer import Transformer
 
 
@@ -40,29 +40,55 @@ def test_costs_interpolate_and_share_a_forward_across_a_batch():
     assert interpolate({1: 1.0, 8: 2.0}, 0) == 1.0
     assert costs.per_row(1, 1) == 1.0
     assert costs.per_row(1, 8) == pytest.approx(2.0 / 8)  # eight 1-token rows share one forward
-    assert costs.per_row(2, 8) == pytest.approx(3.0 / 8)  # a 1-token draft each doubles the width
+    assert costs.per_row(2, 8) == pytest.approx(2.125 / 8)  # a 1-token draft adds one token to the forward
 
 
-def test_the_batch_cap_weighs_the_padded_width_against_every_row_s_gain():
+def test_a_batch_s_rows_cost_what_the_engine_s_steps_measured():
+    """Each further row of a batch costs ``row`` one-token forwards besides its tokens, learned from
+    measured batched forwards (the start-up table times one short sequence and underprices a
+    batch, which made every extra verified token look twice as dear as it is)."""
+    costs = StepCosts({1: 1.0, 8: 1.2, 16: 2.0}, forward_s=0.01)
+    assert costs.batch(8, 8) == costs(8)  # nothing learned yet
+    for _ in range(300):
+        costs.observe(8, 8, 0.01 * (1.2 + 7 * 0.3))
+    assert costs.row == pytest.approx(0.3, rel=1e-3)
+    assert costs.batch(8, 9) == pytest.approx(costs(9) + 2.1) and costs.per_row(2, 8) == pytest.approx((costs(9) + 2.1) / 8)
+    costs.observe(1, 1, 1.0)  # a lone row says nothing about rows
+    assert costs.row == pytest.approx(0.3, rel=1e-3)
+    static = StepCosts({1: 1.0, 8: 1.2})  # a static table has no time unit to learn in
+    static.observe(8, 8, 1.0)
+    assert static.row == 0.0
+    # a dearer base step makes an extra verified token relatively cheaper: a 0.3-token gain now pays
+    doubtful = [[0.0]] * 7 + [[0.0, 0.3]]
+    assert batch_lengths([0] * 7 + [1], doubtful, StepCosts({1: 1.0, 8: 1.2, 16: 2.0})) == [0] * 8
+    assert batch_lengths([0] * 7 + [1], doubtful, costs) == [0] * 7 + [1]
+
+
+def test_batch_lengths_weigh_each_row_s_own_tokens_against_its_gain():
     costs = StepCosts({1: 1.0, 8: 1.2, 16: 2.0, 64: 6.0})
-    # eight rows, one with a 16-token draft worth 1.5 tokens: padding all rows to 17 does not pay
+    # eight rows, one with a 16-token draft worth 1.5 tokens: its first token pays (9 tokens at
+    # cost 1.3 against 8 at 1.2), the second (worth 0.5) not; the plain rows pay for none of it
     gains = [[0.0]] * 7 + [[min(j, 1.5) for j in range(17)]]
-    assert batch_cap([0] * 7 + [16], gains, costs) == 0
+    assert batch_lengths([0] * 7 + [16], gains, costs) == [0] * 7 + [1]
     # alone, its first 2 tokens pay (2.5 tokens at cost 1.03 against 1 token at 1.0), the rest not
-    assert batch_cap([16], [gains[-1]], costs) == 2
-    # eight rows that each expect 0.9 of one draft token: a 2-wide step (cost 2.0) beats 1-wide (1.2)
+    assert batch_lengths([16], [gains[-1]], costs) == [2]
+    # eight rows that each expect 0.9 of one draft token and little more: one token each
     one = [[0.0, 0.9, 1.2, 1.3]] * 8
-    assert batch_cap([3] * 8, one, costs) == 1
-    # a confident long draft beside a plain row: both rows pay its width, and it still pays
-    sure = [[0.0], [float(j) for j in range(33)]]
-    assert batch_cap([0, 32], sure, costs) == 32
+    assert batch_lengths([3] * 8, one, costs) == [1] * 8
+    # a confident long draft beside seven plain rows is verified whole (40 tokens, not 8 x 33)
+    sure = [float(j) for j in range(33)]
+    assert batch_lengths([0] * 7 + [32], [[0.0]] * 7 + [sure], costs) == [0] * 7 + [32]
+    # the tokens go where they are expected to be accepted: the sure row first, a doubtful one not at all
+    doubtful = [0.0, 0.1, 0.15, 0.2]
+    assert batch_lengths([3, 32], [doubtful, sure], costs) == [0, 32]
+    assert batch_lengths([0, 0], [[0.0], [0.0]], costs) == [0, 0]
 
 
-def test_the_batch_cap_is_sized_before_the_model_drafter_runs(tiny_llama):
-    """Under a cost policy the engine decides a batch's common draft length before drafting: at
-    cap 0 the model drafter is not asked at all (its drafts would be thrown away), otherwise it is
-    asked for no more than the cap; the records say the cap cut the draft (the cost policy does not
-    learn the drafter's acceptance from them), and the output stays plain greedy's."""
+def test_the_batch_lengths_are_sized_before_the_model_drafter_runs(tiny_llama):
+    """Under a cost policy the engine decides a batch's draft lengths before drafting: at length 0
+    the model drafter is not asked at all (its drafts would be thrown away), otherwise it is asked
+    for no more than the length; the records say the length was cut (the cost policy does not learn
+    the drafter's acceptance from them), and the output stays plain greedy's."""
     from hvd_ray.drafters.layerskip import LayerSkipDrafter
     from hvd_ray.engine import Engine, SamplingParams
     from hvd_ray.engine.engine import Choice
@@ -91,7 +117,7 @@ def test_the_batch_cap_is_sized_before_the_model_drafter_runs(tiny_llama):
     plain = [r.output for r in Engine(model, max_batch=4, max_len=64).generate(prompts, params)]
     # 3 rows: expecting nothing, no draft pays; 2 tokens each, a 3 x 3-wide step; 6 each, the whole budget
     for gain, cap in ((0.0, 0), (2.0, 2), (6.0, 6)):
-        assert batch_cap([6] * 3, [[min(float(j), gain) for j in range(7)]] * 3, Expecting.costs) == cap
+        assert batch_lengths([6] * 3, [[min(float(j), gain) for j in range(7)]] * 3, Expecting.costs) == [cap] * 3
         asked.clear()
         eng = Engine(model, drafters=[drafter], policy=Expecting(gain), max_batch=4, max_len=64, num_draft_tokens=6)
         reqs = eng.generate(prompts, params)

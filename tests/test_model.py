@@ -87,13 +87,23 @@ def test_batched_forward_equals_per_sequence(tiny_folder, slots):
     for b, s in enumerate(seqs):
         assert (out[b, : len(s)] - alone[b]).abs().max() <= ATOL
         assert model.cache.lengths[slots[b]] == len(s)
-    # then a batched decode step of different widths from different lengths
+    # then a batched decode step of different widths from different lengths: the rows are packed
+    # (each pays for its own tokens), with padded or packed logits and padded taps
     nxt = [[11, 12, 13], [14], [15, 16]]
     toks = torch.tensor([n + [0] * (3 - len(n)) for n in nxt])
-    out = model(toks, list(slots), n_new=[len(n) for n in nxt]).logits
-    for b, s in enumerate(seqs):
-        ref = ours_logits(model, s + nxt[b], slot=4)
-        assert (out[b, : len(nxt[b])] - ref[len(s):]).abs().max() <= ATOL
+    for packed in (False, True):
+        for b, s in enumerate(slots):
+            model.cache.truncate(s, len(seqs[b]))
+        out = model(toks, list(slots), n_new=[len(n) for n in nxt], taps=(1,), packed_logits=packed)
+        assert (out.offsets is not None) == packed and out.taps[0].shape[:2] == (3, 3)
+        for b, s in enumerate(seqs):
+            ref = ours_logits(model, s + nxt[b], slot=4)
+            assert out.row(b)[: len(nxt[b])].shape[0] == len(nxt[b])
+            assert (out.row(b)[: len(nxt[b])] - ref[len(s):]).abs().max() <= ATOL
+            assert model.cache.lengths[slots[b]] == len(s) + len(nxt[b])
+            model.cache.truncate(4, len(s))  # slot 4 holds s + nxt[b]: score nxt[b] after s again, for its taps
+            alone = model(torch.tensor([nxt[b]]), [4], taps=(1,)).taps[0][0]
+            assert (out.taps[0][b, : len(nxt[b])] - alone).abs().max() <= ATOL
 
 
 def test_tree_mask_equals_each_branch_alone(tiny_llama):

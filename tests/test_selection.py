@@ -330,8 +330,8 @@ def test_cost_policy_judges_the_model_per_request_and_calibrates_the_cache():
 def test_cost_policy_extends_confident_cache_drafts_and_shrinks_drafts_with_the_batch():
     """A cache draft predicted to be taken whole is verified at the cache drafter's own length when
     the measured costs say the longer forward pays; an unsure one is cut to the model budget; the
-    same draft is not worth verifying when eight requests share a forward whose cost grows with
-    its width (fp32 costs measured on an AVX2 CPU)."""
+    same draft is worth only its first tokens when eight requests share a forward, each row paying
+    for its own tokens (fp32 costs measured on an AVX2 CPU)."""
     from hvd_ray.engine.costs import StepCosts
 
     costs = StepCosts({1: 1.0, 2: 1.77, 8: 1.83, 16: 2.23, 32: 2.9, 64: 3.5, 128: 6.0})
@@ -347,7 +347,11 @@ def test_cost_policy_extends_confident_cache_drafts_and_shrinks_drafts_with_the_
     alone = StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=0, cache_long=64)
     busy = StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=0, cache_long=64, batch=8)
     assert some.decide(alone)[0] == CACHE and alone.take == 16  # 2.5 tokens for 2.23x
-    assert some.decide(busy)[0] == NONE  # 8 rows x 17 tokens cost 3.4x 8 rows x 1
+    # eight rows share one packed forward: the same draft now pays for its first 2 tokens only (1.5
+    # expected for 5 % more time), and a faint one for none
+    assert some.decide(busy)[0] == CACHE and busy.take == 2
+    faint = StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=0, cache_long=64, batch=8)
+    assert CostPolicy(constant_predictor(0.1), cost_table=costs).decide(faint)[0] == NONE
 
 
 def test_cost_policy_relearns_the_cache_from_steps_that_did_not_verify_it():

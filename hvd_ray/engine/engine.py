@@ -31,7 +31,7 @@ from ..verification import (greedy_walk, rejection_sample_chain, rejection_sampl
 from ..verification.sampling import sample
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
-from .costs import SpeculationCheck, batch_cap
+from .costs import SpeculationCheck, batch_lengths
 from .request import Request, SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class Choice:
     """A policy's decision for one request and step: which source drafts, optionally the draft
     itself (when the policy had to draft to decide), the predicted accepted length, and ``gains``:
     the expected accepted tokens with the draft cut to 0, 1, 2, ... tokens (a policy that prices its
-    drafts gives them, so the engine can size the batch's drafts together: ``costs.batch_cap``)."""
+    drafts gives them, so the engine can size the batch's drafts together: ``costs.batch_lengths``)."""
 
     drafter: Drafter | None
     draft: Draft | None = None
@@ -122,6 +122,7 @@ class Engine:
         # under a cost policy, batches decode plainly where drafted steps measure slower (costs.py)
         self.check = SpeculationCheck() if getattr(policy, "costs", None) is not None else None
         self._drafting = True  # this step's arm for ``check``
+        self._own_draft_s: dict[str, float] = {}  # this step's drafting time by request (``_drafts``)
         self.eos = set(eos_token_ids) | set(model.cfg.eos_token_ids)
         self.detokenize = detokenize
         self.slim = slim  # VIA-SD slim-verifier tier (verification/tiered.py); None = two tiers
@@ -242,7 +243,7 @@ class Engine:
 
     def _drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[float | None], list[bool]]:
         """Each request's draft for this step, from the source its policy chose (with the predicted
-        yield, and whether the batch's common draft length cut it).
+        yield, and whether the batch's draft sizing cut it: ``costs.batch_lengths``).
 
         A policy returns a drafter (or None), or a :class:`Choice` that may carry a draft it already
         made (a selection policy drafts from the cache to decide) and its predicted yield. Requests
@@ -261,38 +262,49 @@ class Engine:
             except Exception:  # noqa: BLE001 - a prefetch only; propose asks again per request below
                 logger.exception("drafter %s failed to prepare the batch", d.name)
         choices = []
+        own = self._own_draft_s = {}  # each request's own drafting time (its policy call, its share of a propose)
         for r in reqs:
+            t0 = time.perf_counter()
             try:
                 choices.append(as_choice(self.policy(r, self) if self.policy else default))
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, "draft selection")
                 choices.append(Choice(None))
-        # Under a cost policy a shared batch gets one draft length (costs.batch_cap), sized before any
-        # model drafter runs: a draft the cap would cut is not drafted past it, nor at all at cap 0.
-        cap, costs = None, getattr(self.policy, "costs", None)
-        capped = [False] * len(reqs)  # the cap cut the draft (the policy does not learn the drafter from it)
+            own[r.req_id] = time.perf_counter() - t0
+        # Under a cost policy a shared batch's draft lengths are sized together (costs.batch_lengths)
+        # before any model drafter runs: a draft is not drafted past its length, nor at all at 0.
+        caps, costs = None, getattr(self.policy, "costs", None)
+        capped = [False] * len(reqs)  # its length was cut (the policy does not learn the drafter from it)
         if costs is not None and len(reqs) > 1 and all(c.gains is not None for c in choices):
             planned = [0 if c.drafter is None or r.finished else self.draft_budget(r, c.drafter) if c.draft is None
                        else min(len(c.draft), self.draft_budget(r, c.drafter)) for r, c in zip(reqs, choices)]
-            cap = batch_cap(planned, [c.gains for c in choices], costs)
-            capped = [n > cap for n in planned]
+            caps = batch_lengths(planned, [c.gains for c in choices], costs)
+            capped = [n > cap for n, cap in zip(planned, caps)]
         for src in {id(c.drafter): c.drafter for c in choices if c.drafter is not None}.values():
-            idxs = [i for i, c in enumerate(choices) if c.drafter is src and c.draft is None and not reqs[i].finished]
-            if idxs and cap != 0:
-                for i, d in zip(idxs, self._propose(src, [reqs[i] for i in idxs], cap)):
+            idxs = [i for i, c in enumerate(choices) if c.drafter is src and c.draft is None and not reqs[i].finished
+                    and (caps is None or caps[i] > 0)]
+            if idxs:
+                t0 = time.perf_counter()
+                for i, d in zip(idxs, self._propose(src, [reqs[i] for i in idxs],
+                                                    None if caps is None else [caps[i] for i in idxs])):
                     choices[i].draft = d
+                for i in idxs:
+                    own[reqs[i].req_id] += (time.perf_counter() - t0) / len(idxs)
         drafts: list[Draft] = [Draft() for _ in reqs]
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None and not r.finished:
-                drafts[i] = c.draft.truncated(min(self.draft_budget(r, c.drafter), len(c.draft) if cap is None else cap))
+                drafts[i] = c.draft.truncated(min(self.draft_budget(r, c.drafter), len(c.draft) if caps is None else caps[i]))
         return drafts, [c.predicted for c in choices], capped
 
-    def _propose(self, src: Drafter, reqs: list[Request], cap: int | None = None) -> list[Draft | None]:
-        """``src.propose`` for the batch (each draft at most ``cap`` tokens); if it raises, once per
-        request, failing only the ones that raise again (a batched call cannot say whose request broke it)."""
+    def _propose(self, src: Drafter, reqs: list[Request], caps: Sequence[int] | None = None) -> list[Draft | None]:
+        """``src.propose`` for the batch (request ``i``'s draft at most ``caps[i]`` tokens); if it
+        raises, once per request, failing only the ones that raise again (a batched call cannot say
+        whose request broke it)."""
+        cap_of = {r.req_id: c for r, c in zip(reqs, caps)} if caps is not None else {}
+
         def ask(r: Request) -> DraftRequest:
             budget = self.draft_budget(r, src)
-            return DraftRequest(r.req_id, r.slot, r.tokens, budget if cap is None else min(budget, cap))
+            return DraftRequest(r.req_id, r.slot, r.tokens, min(budget, cap_of.get(r.req_id, budget)))
 
         where = f"drafting ({src.name})"
         try:
@@ -331,8 +343,12 @@ class Engine:
         verified = dict(zip(full, self._verify_full([reqs[b] for b in full], [drafts[b] for b in full])))
         t2 = time.perf_counter()
         draft_s, verify_s = t1 - t0, t2 - t1
+        # each row's drafting time: the step's, split as the rows' own drafting split it (a request
+        # that ran the model drafter paid for it; its neighbours that verified a cache draft did not)
+        own = [self._own_draft_s.get(r.req_id, 0.0) for r in reqs] if self._drafting else [0.0] * B
+        shares = [x / sum(own) for x in own] if sum(own) > 0 else [1.0 / B] * B
         if self.policy is not None:  # the policy learns from these: every TP rank must see the same
-            draft_s, verify_s = rank0_values(self.model, [draft_s, verify_s])
+            draft_s, verify_s, *shares = rank0_values(self.model, [draft_s, verify_s, *shares])
         results, produced = [], 0
         for b, (req, d) in enumerate(zip(reqs, drafts)):
             if req.finished:  # its verification failed (``_fail``); released by ``step``
@@ -345,7 +361,7 @@ class Engine:
                 emitted, accepted = [d.token_ids[i] for i in path] + [nxt], len(path)
             produced += len(emitted)
             req.stats.steps.append(StepRecord(
-                d.source or "none", len(d), accepted, draft_s / B, verify_s / B, predicted[b], capped=capped[b],
+                d.source or "none", len(d), accepted, draft_s * shares[b], verify_s / B, predicted[b], capped=capped[b],
                 plain=not self._drafting,
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
                 full_forward=b not in settled))
@@ -355,6 +371,8 @@ class Engine:
                 self._fail(req, e, "emitting tokens")
         if self.check is not None:
             self.check.record(B, self._drafting, produced, draft_s + verify_s)
+            if not settled:  # one full forward over every row: what a batch costs here (costs.StepCosts)
+                self.policy.costs.observe(B, B + sum(map(len, drafts)), verify_s)
         dt = time.perf_counter() - t0
         for r in reqs:
             r.stats.decode_s += dt
@@ -432,18 +450,21 @@ class Engine:
                     g, w = len(lag), widths[b]
                     mask[b, g:w, g:w] = tree_attention_mask(d.parents, device=dev)
                     depths[b, g:w] = g + torch.tensor(tree_depths(d.parents), device=dev)
-        out = self.model(toks, [r.slot for r in reqs], n_new=widths, depths=depths, attn_mask=mask, taps=self.taps)
+        # rows of different widths are packed (each pays for its own tokens); their logits come packed
+        out = self.model(toks, [r.slot for r in reqs], n_new=widths, depths=depths, attn_mask=mask, taps=self.taps,
+                         packed_logits=True)
         logits = out.logits
         walks = best = None
-        if logits.is_cuda and T > 1 and all(r.params.greedy for r in reqs) and not any(lags):
+        if logits.is_cuda and T > 1 and out.offsets is None and all(r.params.greedy for r in reqs) and not any(lags):
             walks = self.device_walks(logits, drafts)  # one Triton pass, no full argmax
         elif any(r.params.greedy for r in reqs):
-            best = logits.argmax(-1).tolist()  # one sync
+            flat = logits.argmax(-1).tolist()  # one sync
+            best = flat if out.offsets is None else [flat[a:b] for a, b in itertools.pairwise(out.offsets)]
         results: list[tuple[list[int], int] | None] = []
         for b, (req, lag, d) in enumerate(zip(reqs, lags, drafts)):
             g = len(lag)
             try:
-                path, nxt = self._verify(req, d, logits[b, g: widths[b]], walks[b] if walks is not None else None,
+                path, nxt = self._verify(req, d, out.row(b)[g: widths[b]], walks[b] if walks is not None else None,
                                          best[b][g:] if best is not None else None)
                 keep = list(range(g + 1)) + [g + 1 + i for i in path]
                 cache.compact(req.slot, req.full_len, keep)

@@ -54,7 +54,7 @@ class StepRecord:
     draft_s: float
     verify_s: float
     predicted: float | None = None  # the yield predictor's estimate, when a policy used one
-    capped: bool = False  # the batch's common draft length cut this draft (engine/costs.py:batch_cap)
+    capped: bool = False  # the batch's draft sizing cut this draft (engine/costs.py:batch_lengths)
     plain: bool = False  # SpeculationCheck decoded this batch step without asking for drafts (engine/costs.py)
     # slim tier (VIA-SD, verification/tiered.py): draft tokens q' accepted, tokens q' supplied
     # (repair / regeneration / bonus), draft tokens escalated to q; whether q ran this step

@@ -14,6 +14,7 @@ One file in the spirit of gpt-fast. What a speculative engine needs beyond a pla
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -154,12 +155,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     B, T, H, D = q.shape
     KV = k.shape[1]
     G = H // KV
-    qg = q.to(k.dtype).view(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
+    qg = q.to(k.dtype).reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
     scores = torch.matmul(qg * (D ** -0.5), k.transpose(2, 3)).float()  # [B, KV, G*T, S]
     if bias is not None:
         scores = scores + bias
     out = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [B, KV, G*T, D]
     return out.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D).to(q.dtype)
+
+
+def run_bias(bias: Tensor, T: int, w: int) -> Tensor:
+    """``mask_bias`` rows [n, 1, G*T, S] cut to the first ``w`` queries of each group."""
+    if w == T:
+        return bias
+    n, _, GT, S = bias.shape
+    return bias.view(n, 1, GT // T, T, S)[:, :, :, :w].reshape(n, 1, GT // T * w, S)
 
 
 def mask_bias(mask: Tensor, groups: int) -> Tensor:
@@ -203,9 +212,12 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, ctx: "_StepContext", layer: int) -> Tensor:
         # Plain F.linear / views rather than module calls: the per-token op count is what a
         # 135M model's decode step pays for on CPU.
-        B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv, self.hd
         qkv = linear(x, self.wqkv)
+        if ctx.valid is not None:  # packed rows: pad q/k/v back to [B, T] for the per-row cache work
+            B, T = ctx.padded
+            qkv = qkv.new_zeros(B * T, qkv.shape[-1]).index_copy_(0, ctx.valid, qkv[0]).view(B, T, -1)
+        B, T, _ = qkv.shape
         v = qkv[..., (H + KV) * D :].view(B, T, KV, D)
         if self.q_norm is None:
             qk = apply_rope(qkv[..., : (H + KV) * D].view(B, T, H + KV, D), ctx.cos, ctx.sin)
@@ -230,10 +242,14 @@ class Attention(nn.Module):
             vc.index_put_(idx, v.transpose(1, 2).to(vc.dtype))
             # each run of consecutive slots reads its cache rows as a view: gathering the rows of
             # scattered slots (requests finish at different steps) would copy every layer's K/V
-            parts = [attend(q[r : r + b - a], kc[a:b, :, :span], vc[a:b, :, :span],
-                            None if ctx.mask is None else ctx.mask[r : r + b - a, ..., :span])
-                     for a, b, r, span in ctx.runs]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            # (packed rows: a run holds rows of one real length w and attends with its w queries only)
+            parts = [attend(q[r : r + b - a, :w], kc[a:b, :, :span], vc[a:b, :, :span],
+                            None if ctx.mask is None else run_bias(ctx.mask[r : r + b - a, ..., :span], T, w))
+                     for a, b, r, span, w in ctx.runs]
+            if ctx.valid is not None:  # the runs' real rows, in row order: the packed layout
+                out = torch.cat([p.reshape(-1, H * D) for p in parts]).unsqueeze(0)
+            else:
+                out = parts[0] if len(parts) == 1 else torch.cat(parts)
             return reduce_shards(linear(out, self.wo), self.tp_group)
         return reduce_shards(linear(attend(q, keys, vals, ctx.mask), self.wo), self.tp_group)
 
@@ -305,16 +321,17 @@ class KVCache:
         self.lengths[slot] = start + n
 
 
-def slot_runs(slots: Sequence[int], starts: Sequence[int], T: int) -> list[tuple[int, int, int, int]]:
-    """``slots`` cut into runs of consecutive cache slots: ``(first slot, last slot + 1, first row,
-    key span)`` each, the span being the run's longest prefix + ``T``."""
+def slot_runs(slots: Sequence[int], starts: Sequence[int], widths: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
+    """``slots`` cut into runs of consecutive cache slots whose rows have the same width: ``(first
+    slot, last slot + 1, first row, key span, width)`` each, the span being the run's longest prefix
+    + its width."""
     runs: list[list[int]] = []
-    for row, (s, st) in enumerate(zip(slots, starts)):
-        if runs and s == runs[-1][1]:
+    for row, (s, st, w) in enumerate(zip(slots, starts, widths)):
+        if runs and s == runs[-1][1] and w == runs[-1][4]:
             runs[-1][1] += 1
-            runs[-1][3] = max(runs[-1][3], st + T)
+            runs[-1][3] = max(runs[-1][3], st + w)
         else:
-            runs.append([s, s + 1, row, st + T])
+            runs.append([s, s + 1, row, st + w, w])
     return [tuple(r) for r in runs]
 
 
@@ -332,12 +349,19 @@ class _StepContext:
     slots_t: Tensor | None = None
     slot_idx: Tensor | None = None
     write_pos: Tensor | None = None
+    valid: Tensor | None = None  # packed rows: flat indices of the real tokens in [B * T]
+    padded: tuple[int, int] = (0, 0)  # (B, T) of the padded layout
 
 
 @dataclass
 class ForwardOutput:
-    logits: Tensor  # [B, T, V] (or [B, 1, V] with last_only)
+    logits: Tensor  # [B, T, V] (or [B, 1, V] with last_only; [N, V] with packed_logits, see offsets)
     taps: list[Tensor]  # residual stream after each requested layer, [B, T, dim]
+    offsets: list[int] | None = None  # packed logits: row b's are logits[offsets[b]:offsets[b + 1]]
+
+    def row(self, b: int) -> Tensor:
+        """Row ``b``'s logits: [T, V] padded, [n_new[b], V] packed."""
+        return self.logits[b] if self.offsets is None else self.logits[self.offsets[b]: self.offsets[b + 1]]
 
 
 class Transformer(nn.Module):
@@ -395,6 +419,7 @@ class Transformer(nn.Module):
         taps: Sequence[int] = (),
         last_only: bool = False,
         logit_rows: Tensor | None = None,
+        packed_logits: bool = False,
     ) -> ForwardOutput:
         """Score ``tokens [B, T]`` appended to the cached prefix of ``slots[b]``; advance the lengths.
 
@@ -404,6 +429,12 @@ class Transformer(nn.Module):
         [B, T, T]`` says which new tokens each new token sees (default causal). ``skip`` lists
         ``(layer, "attn"|"mlp")`` sub-layers to bypass. ``logit_rows [B]`` picks one row per sequence
         for the LM head (prefill needs only the last), as does ``last_only``.
+
+        Rows of different real lengths (a batch verifying drafts of different lengths) are packed:
+        every token-wise layer (projections, MLP, norms, LM head) runs on the real tokens only, so a
+        row pays for its own tokens, not for the longest row's; only attention sees the padded
+        layout. ``packed_logits`` returns such rows' logits packed too (``ForwardOutput.row``),
+        without computing the padding's logits.
         """
         cache = self.cache
         if cache is None:
@@ -436,8 +467,11 @@ class Transformer(nn.Module):
             mask = mask_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads)
         fresh = contiguous is not None and starts[0] == 0 and attn_mask is None and T > 1
         ctx = _StepContext(cache, cos, sin, mask, span, contiguous, fresh)
+        if B > 1 and sum(n_new) < B * T:  # ragged rows: pack the real tokens
+            real = torch.arange(T, device=dev)[None, :] < torch.tensor(n_new, device=dev)[:, None]
+            ctx.valid, ctx.padded = real.view(-1).nonzero().squeeze(1), (B, T)
         if contiguous is None:
-            ctx.runs = slot_runs(slots, starts, T)
+            ctx.runs = slot_runs(slots, starts, n_new if ctx.valid is not None else [T] * B)
             ctx.slots_t = torch.tensor(list(slots), device=dev)
             ctx.slot_idx = ctx.slots_t[:, None].expand(B, T)
             ctx.write_pos = start_t[:, None] + torch.arange(T, device=dev)
@@ -446,7 +480,7 @@ class Transformer(nn.Module):
         skipped = set(skip or ())
         tap_set = set(taps)
         tapped: dict[int, Tensor] = {}
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens if ctx.valid is None else tokens.reshape(-1)[ctx.valid].unsqueeze(0))
         for i, layer in enumerate(self.layers):
             if (i, "attn") not in skipped:
                 h = h + layer.attn.forward(layer.attn_norm.forward(h), ctx, i)
@@ -457,6 +491,13 @@ class Transformer(nn.Module):
         for b, s in enumerate(slots):
             cache.lengths[s] = starts[b] + n_new[b]
 
+        if ctx.valid is not None:
+            unpack = lambda x: x.new_zeros(B * T, x.shape[-1]).index_copy_(0, ctx.valid, x[0]).view(B, T, -1)  # noqa: E731
+            tapped = {i: unpack(x) for i, x in tapped.items()}
+            if packed_logits and logit_rows is None and not last_only:
+                offsets = list(itertools.accumulate(n_new, initial=0))
+                return ForwardOutput(linear(self.norm(h[0]), self.output), [tapped[i] for i in taps], offsets)
+            h = unpack(h)
         if logit_rows is not None:
             h = h[torch.arange(B, device=dev), logit_rows].unsqueeze(1)
         elif last_only:

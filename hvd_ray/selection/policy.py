@@ -225,8 +225,10 @@ class CostPolicy(Policy):
     """Most expected tokens per unit of step time among cache draft, model draft and no draft.
 
     Step time comes from ``costs`` (:class:`~hvd_ray.engine.costs.StepCosts`: the engine's forward
-    timed on this hardware at start-up; a plain table offline), taken per row of a batch of
-    ``view.batch`` requests, so drafts that pay at batch 1 shrink or vanish as the batch grows.
+    timed on this hardware at start-up; a plain table offline). In a batch of ``B = view.batch``
+    requests a rate is the batch's: ``(B + ŷ_L) / cost(B + L)`` for this request drafting ``L``
+    tokens and the others none (a packed forward: each row pays for its own tokens), so a draft
+    has to pay for its width against ``B`` plain tokens, not one. At ``B = 1``, as follows.
 
     cache: ``(ŷ_L + 1) / cost(1 + L)`` for the best length ``L`` of the cache draft (suffix drafting
     is ~free), where ``ŷ_L = min(ŷ·s, L)`` and, when ``ŷ·s`` says the draft is taken (nearly) whole at
@@ -320,10 +322,14 @@ class CostPolicy(Policy):
     def cache_yield(self, y: float, view: StepView, take: int, key: str | None = None) -> float:
         """Expected accepted tokens of the first ``take`` tokens of the cache draft, from ``y`` (the
         calibrated estimate for the draft cut to ``view.cache_len``) or, where it has been the
-        better estimate, from the draft's calibrated tree probabilities."""
-        if view.cache_probs and self.uses_tree(key):
-            return self.tree_yield(view, take, key)
+        better estimate, from the draft's calibrated tree probabilities. Past ``view.cache_len`` (the
+        window both were calibrated on) a draft keeps its rate only when it is confident, or in a
+        long-match bucket (a repeat, where the tree's probabilities hold over the whole draft)."""
         L0 = view.cache_len
+        if view.cache_probs and self.uses_tree(key):
+            if take <= L0 or L0 == 0 or key.endswith("/long"):
+                return self.tree_yield(view, take, key)
+            y = self.tree_yield(view, L0, key)
         base = min(y, L0, take)
         if take <= L0 or L0 == 0:
             return base
@@ -332,14 +338,19 @@ class CostPolicy(Policy):
 
     def rates(self, view: StepView, y: float, tree: str | None = None,
               model_accept: float | None = None, model_len: float | None = None) -> dict[str, float]:
-        c = lambda width: self.costs.per_row(width, view.batch)  # noqa: E731
-        r = {NONE: 1.0 / c(1)}
+        # the batch's tokens per unit of forward time, this row drafting and the others not (a packed
+        # forward: each row pays for its own tokens); at batch 1, this row's own rate
+        B = max(1, view.batch)
+        c = lambda width: self.costs.batch(B, B - 1 + width)  # noqa: E731
+        r = {NONE: B / c(1)}
         if view.cache_len > 0:
             y = max(y, 0.0) * self.cache_scale.get(tree, 1.0)
             longest = max(view.cache_long, view.cache_len)
             best = None
-            for take in sorted({view.cache_len, longest} | {n for n in (4, 8, 16, 32) if view.cache_len < n < longest}):
-                rate = (self.cache_yield(y, view, take, tree) + 1) / c(1 + take)
+            # (under load also a short prefix: a doubtful draft may pay for its first token or two only)
+            short = {n for n in (1, 2) if n < view.cache_len} if B > 1 else set()
+            for take in sorted({view.cache_len, longest} | short | {n for n in (4, 8, 16, 32) if view.cache_len < n < longest}):
+                rate = (B + self.cache_yield(y, view, take, tree)) / c(1 + take)
                 if best is None or rate > best[0]:
                     best = (rate, take)
             r[CACHE] = best[0]
@@ -350,7 +361,7 @@ class CostPolicy(Policy):
             kk = min(seen, k) if seen is not None else k
             draft = self.model_draft_cost if self.model_draft_cost is not None else k * self.model_token_cost
             m = self.model_accept if model_accept is None else model_accept
-            r[MODEL] = (min(m, kk) + 1) / (c(1 + kk) + draft)
+            r[MODEL] = (B + min(m, kk)) / (c(1 + kk) + draft)
         return r
 
     def learn(self, rec) -> None:
@@ -379,8 +390,10 @@ class CostPolicy(Policy):
         """Fold one cache-draft outcome into its bucket: ``accepted`` tokens where the (uncalibrated)
         prediction was ``predicted`` and the draft's tree probabilities summed to ``tree_mass``.
         ``nominal``: (accepted, tree mass) within the window ŷ describes, when the draft reached
-        past it (the predictor learns and both estimates are scored there; the tree's scale learns
-        over the whole draft). Each estimate is scored (squared error) before it learns."""
+        past it: both estimates learn and are scored there. (The tree's scale once learned over the
+        whole draft: a long draft's probabilities sum to far more than the few tokens a cold draft
+        keeps, so the scale fell to ~0.1 and rated the short drafts that pay under load at a quarter
+        of what they yield.) Each estimate is scored (squared error) before it learns."""
         a = self.adapt
         if a == 0.0 or key is None:
             return
@@ -392,8 +405,8 @@ class CostPolicy(Policy):
             err[0] = (1 - a) * err[0] + a * (got - by_pred) ** 2
             err[1] = (1 - a) * err[1] + a * (got - by_tree) ** 2
             tsums = self._tree_sums.setdefault(key, [0.0, 0.0])
-            tsums[0] = (1 - a) * tsums[0] + a * accepted
-            tsums[1] = (1 - a) * tsums[1] + a * tree_mass
+            tsums[0] = (1 - a) * tsums[0] + a * got
+            tsums[1] = (1 - a) * tsums[1] + a * mass
             accepted = got
             if tsums[1] > 0.05:
                 # (> 1 is real: a live request counts in its own global-tree base, halving its probabilities)
@@ -490,14 +503,18 @@ class CostPolicy(Policy):
 
     def gains(self, choice: str, view: StepView, y: float, key: str | None, model_accept: float) -> list[float]:
         """Expected accepted tokens of the chosen draft cut to 0, 1, 2, ... tokens (the engine
-        sizes the batch's drafts together from these: ``engine.costs.batch_cap``)."""
+        sizes the batch's drafts together from these: ``engine.costs.batch_lengths``)."""
         if choice == CACHE:
             y = max(y, 0.0) * self.cache_scale.get(key, 1.0)
             take = view.take if view.take is not None else max(view.cache_long, view.cache_len)
             if view.cache_probs and self.uses_tree(key):  # tree_yield at every length, one pass
                 r = self.tree_scale.get(key, 1.0)
                 mass = [0.0, *itertools.accumulate(float(p) for p in view.cache_probs[:take])]
-                return [min(float(j), r * mass[min(j, len(mass) - 1)]) for j in range(take + 1)]
+                out = [min(float(j), r * mass[min(j, len(mass) - 1)]) for j in range(take + 1)]
+                if key.endswith("/long") or take <= view.cache_len:
+                    return out
+                return out[: view.cache_len + 1] + [self.cache_yield(y, view, j, key)
+                                                    for j in range(view.cache_len + 1, take + 1)]
             return [self.cache_yield(y, view, j, key) for j in range(take + 1)]
         if choice == MODEL and self.model is not None:
             return [min(model_accept, float(j)) for j in range(view.model_len + 1)]
