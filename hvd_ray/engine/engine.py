@@ -371,7 +371,7 @@ class Engine:
                 self._fail(req, e, "emitting tokens")
         if self.check is not None:
             self.check.record(B, self._drafting, produced, draft_s + verify_s)
-            if not settled:  # one full forward over every row: what a batch costs here (costs.StepCosts)
+            if self.slim is None:  # one target forward over every row: what a batch costs here (costs.StepCosts)
                 self.policy.costs.observe(B, B + sum(map(len, drafts)), verify_s)
         dt = time.perf_counter() - t0
         for r in reqs:

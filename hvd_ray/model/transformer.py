@@ -432,8 +432,8 @@ class Transformer(nn.Module):
 
         Rows of different real lengths (a batch verifying drafts of different lengths) are packed:
         every token-wise layer (projections, MLP, norms, LM head) runs on the real tokens only, so a
-        row pays for its own tokens, not for the longest row's; only attention sees the padded
-        layout. ``packed_logits`` returns such rows' logits packed too (``ForwardOutput.row``),
+        row pays for its own tokens, not for the longest row's; attention runs per run of rows of
+        one width, and only the K/V cache writes see the padded layout. ``packed_logits`` returns such rows' logits packed too (``ForwardOutput.row``),
         without computing the padding's logits.
         """
         cache = self.cache
