@@ -81,7 +81,7 @@ def batch_lengths(lengths: Sequence[int], gains: Sequence[Sequence[float]], cost
     """Each row's draft length this step (at most ``lengths[r]``), for one verify forward.
 
     The forward packs its rows (``Transformer.forward``): a batch of ``B`` rows with drafts of
-    ``n_r`` tokens costs ``costs(B + sum(n_r))``, so a request pays for its own draft, not for the
+    ``n_r`` tokens costs ``costs.batch(B, B + sum(n_r))``, so a request pays for its own draft, not for the
     longest one in the batch. ``gains[r][j]`` is row ``r``'s expected accepted tokens with its draft
     cut to ``j`` tokens (``gains[r][0] = 0``). Draft tokens are taken one at a time, always the one
     that adds the most expected tokens among the rows' next ones, and the lengths kept are those

@@ -83,6 +83,16 @@ def draft_budget(req: "Request", engine: "Engine") -> int:
     return engine.draft_budget(req)
 
 
+def extended(y: float, L0: int, take: int) -> float:
+    """Expected accepted tokens of a cache draft's first ``take`` tokens from ``y``, the estimate
+    for its first ``L0``: past ``L0`` the draft keeps its rate only when confident (``CONFIDENT``)."""
+    base = min(y, L0, take)
+    if take <= L0 or L0 == 0:
+        return base
+    rate = min(y, L0) / L0
+    return base + (take - L0) * rate if rate >= CONFIDENT else base
+
+
 def matched(draft: Draft, truth: Sequence[int]) -> int:
     """Tokens of ``draft`` (chain or tree) that greedy verification against ``truth`` accepts:
     the deepest draft path that equals a prefix of ``truth``."""
@@ -330,11 +340,7 @@ class CostPolicy(Policy):
             if take <= L0 or L0 == 0 or key.endswith("/long"):
                 return self.tree_yield(view, take, key)
             y = self.tree_yield(view, L0, key)
-        base = min(y, L0, take)
-        if take <= L0 or L0 == 0:
-            return base
-        rate = min(y, L0) / L0
-        return base + (take - L0) * rate if rate >= CONFIDENT else base
+        return extended(y, L0, take)
 
     def rates(self, view: StepView, y: float, tree: str | None = None,
               model_accept: float | None = None, model_len: float | None = None) -> dict[str, float]:
@@ -511,10 +517,10 @@ class CostPolicy(Policy):
                 r = self.tree_scale.get(key, 1.0)
                 mass = [0.0, *itertools.accumulate(float(p) for p in view.cache_probs[:take])]
                 out = [min(float(j), r * mass[min(j, len(mass) - 1)]) for j in range(take + 1)]
-                if key.endswith("/long") or take <= view.cache_len:
+                L0 = view.cache_len
+                if key.endswith("/long") or take <= L0:
                     return out
-                return out[: view.cache_len + 1] + [self.cache_yield(y, view, j, key)
-                                                    for j in range(view.cache_len + 1, take + 1)]
+                return out[: L0 + 1] + [extended(out[L0], L0, j) for j in range(L0 + 1, take + 1)]
             return [self.cache_yield(y, view, j, key) for j in range(take + 1)]
         if choice == MODEL and self.model is not None:
             return [min(model_accept, float(j)) for j in range(view.model_len + 1)]
