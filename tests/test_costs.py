@@ -152,6 +152,25 @@ def test_the_suffix_cache_drafts_past_the_model_budget_losslessly(default_folder
     assert Engine(model, max_batch=1, max_len=256, num_draft_tokens=0).cache_draft_tokens == 0
 
 
+def test_one_slow_drafted_step_does_not_turn_a_batch_plain():
+    """A drafted step that also catches EAGLE-3 up on a new prompt takes several plain steps' time
+    once: the arms average their steps' own rates, so that one step does not outweigh the rest, and
+    plain must measure ``margin`` faster before it is preferred."""
+    from hvd_ray.engine.costs import SpeculationCheck
+
+    check = SpeculationCheck()
+    for i in range(40):  # drafted: 12 tokens in 0.15 s (80 tok/s); plain: 8 in 0.15 s (53 tok/s)
+        check.record(8, True, 12, 0.15)
+        if i % 4 == 0:
+            check.record(8, False, 8, 0.15)
+    check.record(8, True, 8, 0.9)  # the catch-up step: 8.9 tok/s
+    assert not check.prefers_plain(8)  # (tokens over seconds of the EMAs: 51.6 tok/s, below plain)
+    check.arms[(8, False)][0] = 1.05 * check.rate(8, True)  # within the margin: drafts kept
+    assert not check.prefers_plain(8)
+    check.arms[(8, False)][0] = 1.2 * check.rate(8, True)
+    assert check.prefers_plain(8)
+
+
 def test_batches_decode_plainly_where_drafted_steps_measure_slower():
     from hvd_ray.engine.costs import SpeculationCheck
 

@@ -228,6 +228,60 @@ def test_batched_propose_equals_one_by_one(target):
             d.end(f"r{i}")
 
 
+def test_catch_ups_together_equal_one_by_one(target):
+    """Short backlogs of several requests run through the head in one padded forward: the same
+    head state (next-token log-probs, feature, cache rows) and drafts as one forward each."""
+    head = Eagle3Head.from_target(target, draft_vocab_size=256, seed=6)
+    lens = (9, 17, 13)
+    runs = []
+    for together in (True, False):
+        head.cache = None
+        d = Eagle3Drafter(target, head, depth=4)
+        toks = [prefill(target, d, f"r{i}", prompt_ids(n, 20 + i), i) for i, n in enumerate(lens)]
+        asks = [ask(f"r{i}", i, toks[i], 4) for i in range(3)]
+        drafts = d.propose(asks) if together else [d.propose([a])[0] for a in asks]
+        states = [d._state(f"r{i}") for i in range(3)]
+        assert [d.committed(f"r{i}") for i in range(3)] == [n for n in lens]
+        runs.append((drafts, [s.logp.clone() for s in states], [s.hidden.clone() for s in states],
+                     [head_snapshot(head, i, n) for i, n in enumerate(lens)]))
+    (d1, lp1, h1, kv1), (d2, lp2, h2, kv2) = runs
+    assert [x.token_ids for x in d1] == [x.token_ids for x in d2]
+    for a, b in zip(lp1 + h1, lp2 + h2):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for (k1, v1), (k2, v2) in zip(kv1, kv2):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+
+
+def test_a_windowed_catch_up_never_sees_the_rows_it_skipped(target):
+    """With ``catch_up_window`` the head runs over the last tokens of a long backlog only; the rows
+    before stay unwritten and hidden, so a previous request's stale rows in the slot change nothing."""
+    head = Eagle3Head.from_target(target, draft_vocab_size=256, seed=7)
+    prompt = prompt_ids(40, 30)
+    runs = []
+    for stale in (False, True):
+        head.cache = None
+        if stale:  # another request, caught up whole, filled slot 1's rows first
+            full = Eagle3Drafter(target, head, depth=4)
+            other = prefill(target, full, "old", prompt_ids(60, 31), 1)
+            full.propose([ask("old", 1, other)])
+            full.end("old")
+        d = Eagle3Drafter(target, head, depth=4, catch_up_window=8)
+        toks = prefill(target, d, "a", prompt, 1)
+        first = d.propose([ask("a", 1, toks)])[0]
+        st = d._state("a")
+        assert st.floor == len(toks) - 1 - 8 and d.committed("a") == len(toks) - 1
+        toks = verify_step(target, d, "a", toks, 1, first.token_ids[:2])  # short backlogs: no skip
+        second = d.propose([ask("a", 1, toks)])[0]
+        assert d._state("a").floor == st.floor
+        runs.append((first, second))
+    for x, y in zip(*runs):
+        assert x.token_ids == y.token_ids
+        assert x.probs == pytest.approx(y.probs, abs=1e-6)
+    with pytest.raises(ValueError, match="catch_up_window"):
+        Eagle3Drafter(target, head, catch_up_window=0)
+
+
 def test_tree_is_valid_and_contains_the_chain(target):
     head = Eagle3Head.from_target(target, draft_vocab_size=256, seed=5)
     prompt = prompt_ids(15, 6)

@@ -354,6 +354,24 @@ def test_cost_policy_extends_confident_cache_drafts_and_shrinks_drafts_with_the_
     assert CostPolicy(constant_predictor(0.1), cost_table=costs).decide(faint)[0] == NONE
 
 
+def test_cost_policy_rates_a_draft_the_predictor_says_nothing_about_by_its_tree():
+    """Below zero the predictor is out of its training range, not an estimate: such a draft is
+    rated by its tree probabilities (at batch 8 these drafts were taken for ~1.1 tokens, as their
+    probabilities said, and rated at 0 they were declined)."""
+    from hvd_ray.engine.costs import StepCosts
+
+    costs = StepCosts({1: 1.0, 2: 1.77, 8: 1.83, 16: 2.23, 32: 2.9, 64: 3.5, 128: 6.0}, row=0.34)
+    probs = [0.9, 0.6, 0.3, 0.1]
+    for y, want in ((-2.0, CACHE), (0.01, NONE)):  # 0.01: an estimate, and a poor one
+        view = StepView(np.zeros(len(SPEC), np.float32), cache_len=4, model_len=0, batch=8, cache_probs=probs)
+        pol = CostPolicy(constant_predictor(y), cost_table=costs)
+        choice, _ = pol.decide(view, "suffix-request")
+        assert choice == want
+    assert pol.cache_yield(0.0, view, 2, "suffix-request") == pytest.approx(1.5)
+    view.take = 4
+    assert pol.gains(CACHE, view, -2.0, "suffix-request", 0.0) == pytest.approx([0.0, 0.9, 1.5, 1.8, 1.9])
+
+
 def test_cost_policy_relearns_the_cache_from_steps_that_did_not_verify_it():
     """The cache draft made to decide is scored against what the step emitted, so a tree whose
     scale fell is re-measured while the model drafter is chosen (the warm-cache trap)."""

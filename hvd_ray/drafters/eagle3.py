@@ -32,6 +32,11 @@ class _ReqState:
     # policy that verifies other drafts most steps does not pay a head forward on every step
     pending_tokens: list[int] = field(default_factory=list)
     pending_taps: list[Tensor] = field(default_factory=list)
+    floor: int = 0  # the head's first cache row written for this request (``catch_up_window``)
+
+
+# Backlogs of at most this many tokens are caught up together, padded to the longest (_catch_up).
+CATCH_UP_BATCH = 32
 
 
 class Eagle3Drafter(Drafter):
@@ -67,6 +72,7 @@ class Eagle3Drafter(Drafter):
         min_prob: float = 0.0,
         slots: int | None = None,
         max_len: int | None = None,
+        catch_up_window: int | None = None,
     ):
         if not 0.0 <= min_prob < 1.0:
             raise ValueError(f"min_prob must be in [0, 1), got {min_prob}")
@@ -80,6 +86,9 @@ class Eagle3Drafter(Drafter):
         self.max_nodes = max_nodes
         self.needs_taps: tuple[int, ...] = head.tap_layers
         self._slots, self._max_len = slots, max_len
+        if catch_up_window is not None and catch_up_window < 1:
+            raise ValueError(f"catch_up_window must be >= 1 (or None: the whole context), got {catch_up_window}")
+        self.catch_up_window = catch_up_window
         self._reqs: dict[str, _ReqState] = {}
 
     # ----------------------------------------------------------------------------- bookkeeping
@@ -136,8 +145,9 @@ class Eagle3Drafter(Drafter):
     def rollback(self, req_id: str, length: int) -> None:
         """Forget observed positions from ``length`` on (the next observe must re-supply them)."""
         st = self._state(req_id)
-        self._catch_up(req_id, st)
+        self._catch_up([(req_id, st)])
         self.head.cache.truncate(st.slot, length)
+        st.floor = min(st.floor, length)  # rows from ``length`` on are written again by the next catch-up
         st.hidden = st.logp = st.last_token = None
 
     # --------------------------------------------------------------------------------- observe
@@ -169,33 +179,57 @@ class Eagle3Drafter(Drafter):
         st.pending_taps.append(self._order_taps(taps))
 
     @torch.inference_mode()
-    def _catch_up(self, req_id: str, st: _ReqState) -> None:
-        """Run the head over the observations recorded since it last drafted for this request."""
-        if not st.pending_tokens:
-            return
+    def _catch_up(self, reqs: Sequence[tuple[str, _ReqState]]) -> None:
+        """Run the head over the observations recorded since it last drafted, for each of ``reqs``
+        (req_id, state): only the last ``catch_up_window`` of them (a new request's prompt), and
+        the short backlogs of several requests in one padded forward (under load a request drafts
+        every few steps, and one head forward per request costs ~3 ms whatever its length)."""
         head = self.head
         cache = self._ensure_cache()
-        n = len(st.pending_tokens)
-        if cache.lengths[st.slot] + n + self.draft_room > cache.max_len:
-            raise ValueError(f"request {req_id!r} would overflow the head's cache ({cache.max_len} rows)")
-        fused = head.fuse(torch.cat(st.pending_taps))[None]
-        tokens = torch.tensor([st.pending_tokens], device=head.device)
-        prenorm, logits = head(tokens, fused, [st.slot])
-        st.hidden = prenorm[0, -1]
-        st.logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
-        st.last_token = st.pending_tokens[-1]
-        st.pending_tokens, st.pending_taps = [], []
+        todo = []  # (state, tokens, taps) in the window
+        for req_id, st in reqs:
+            n = len(st.pending_tokens)
+            if n == 0:
+                continue
+            if cache.lengths[st.slot] + n + self.draft_room > cache.max_len:
+                raise ValueError(f"request {req_id!r} would overflow the head's cache ({cache.max_len} rows)")
+            taps, tokens = torch.cat(st.pending_taps), st.pending_tokens
+            skip = n - self.catch_up_window if self.catch_up_window is not None else 0
+            if skip > 0:  # only the last window: the rows skipped stay unwritten, hidden below the floor
+                cache.lengths[st.slot] += skip
+                st.floor = cache.lengths[st.slot]
+                taps, tokens = taps[skip:], tokens[skip:]
+            todo.append((st, tokens, taps))
+        # (padding writes up to CATCH_UP_BATCH rows past a backlog: only where the cache has room)
+        short = [t for t in todo if len(t[1]) <= CATCH_UP_BATCH
+                 and cache.lengths[t[0].slot] + CATCH_UP_BATCH <= cache.max_len]
+        if len(short) < 2:
+            short = []
+        for group in ([short] if short else []) + [[t] for t in todo if not any(t is u for u in short)]:
+            T = max(len(tokens) for _, tokens, _ in group)
+            pad = lambda x, n: torch.nn.functional.pad(x, (0, 0, 0, n))  # noqa: E731 - rows past a backlog: never seen
+            fused = head.fuse(torch.stack([pad(taps, T - len(tokens)) for _, tokens, taps in group]))
+            ids = torch.tensor([tokens + [tokens[-1]] * (T - len(tokens)) for _, tokens, _ in group], device=head.device)
+            sts = [st for st, _, _ in group]
+            starts = [cache.lengths[st.slot] for st in sts]
+            prenorm, logits = head(ids, fused, [st.slot for st in sts], starts=starts, advance=False,
+                                   floors=[st.floor for st in sts], logits_at=[len(t) - 1 for _, t, _ in group])
+            for b, (st, tokens, _) in enumerate(group):
+                cache.lengths[st.slot] = starts[b] + len(tokens)
+                st.hidden = prenorm[b, len(tokens) - 1]
+                st.logp = torch.log_softmax(logits[b, 0].float(), dim=-1)
+                st.last_token = tokens[-1]
+                st.pending_tokens, st.pending_taps = [], []
 
     # --------------------------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]:
         drafts = [Draft(source=self.name) for _ in reqs]
+        asked = [(i, self._state(r.req_id)) for i, r in enumerate(reqs) if r.max_tokens > 0]
+        self._catch_up([(reqs[i].req_id, st) for i, st in asked])
         live: list[tuple[int, _ReqState, int, int]] = []  # (index, state, committed, budget)
-        for i, r in enumerate(reqs):
-            st = self._state(r.req_id)
-            if r.max_tokens <= 0:
-                continue
-            self._catch_up(r.req_id, st)
+        for i, st in asked:
+            r = reqs[i]
             if st.logp is None:
                 continue
             n = self.head.cache.lengths[st.slot]
@@ -235,7 +269,8 @@ class Eagle3Drafter(Drafter):
             sel = torch.tensor(rows, device=head.device)
             prenorm, logits = head(
                 head.to_target_ids(toks[-1][sel])[:, None], hidden[sel][:, None],
-                [live[b][1].slot for b in rows], starts=[live[b][2] + s - 1 for b in rows], advance=False)
+                [live[b][1].slot for b in rows], starts=[live[b][2] + s - 1 for b in rows], advance=False,
+                floors=[live[b][1].floor for b in rows])
             step_lp, step_tok = torch.log_softmax(logits[:, 0].float(), -1).max(dim=-1)
             hidden = hidden.clone()
             hidden[sel] = prenorm[:, 0]
@@ -284,7 +319,8 @@ class Eagle3Drafter(Drafter):
             mask.scatter_(2, cols, anc[:, :, : lvl * k])
             prenorm, logits = head(
                 head.to_target_ids(f_tok), f_hidden, slots, starts=(committed + base).tolist(),
-                positions=(committed + lvl - 1)[:, None].expand(B, k), attn_mask=mask, advance=False)
+                positions=(committed + lvl - 1)[:, None].expand(B, k), attn_mask=mask, advance=False,
+                floors=[st.floor for _, st, _, _ in live])
             c_lp, c_tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k, k]
             c_score = f_score[:, :, None] + c_lp
             pool_tok.append(c_tok.reshape(B, k * k))
@@ -333,7 +369,7 @@ class Eagle3Drafter(Drafter):
         """The head's probability of each target token along a path from the pending token, by
         plain sequential head steps (nothing is committed). Tokens outside the draft vocab get 0."""
         st = self._state(req_id)
-        self._catch_up(req_id, st)
+        self._catch_up([(req_id, st)])
         if st.logp is None:
             raise RuntimeError(f"request {req_id!r} has no observed positions yet")
         head = self.head
@@ -347,7 +383,7 @@ class Eagle3Drafter(Drafter):
             probs.append(math.exp(float(logp[d])))
             if s + 1 < len(tokens):
                 prenorm, logits = head(torch.tensor([[t]], device=head.device), hidden[None, None],
-                                       [st.slot], starts=[n + s], advance=False)
+                                       [st.slot], starts=[n + s], advance=False, floors=[st.floor])
                 hidden, logp = prenorm[0, 0], torch.log_softmax(logits[0, 0].float(), -1)
         return probs
 

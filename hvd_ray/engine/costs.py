@@ -129,21 +129,30 @@ class SpeculationCheck:
     warms), plain steps seldom (``explore_plain``: a plain step's rate barely moves, and a forced
     one forgoes a draft that may be worth ten tokens). Lone requests are left to the policy (its
     per-request choice already weighs a plain step). Decisions depend only on the timings fed in,
-    so TP ranks fed rank 0's agree."""
+    so TP ranks fed rank 0's agree.
 
-    def __init__(self, explore_plain: int = 64, explore_drafts: int = 8, adapt: float = 0.1, min_steps: int = 3):
+    An arm's rate is the average of its steps' own rates (tokens / seconds of each step), not its
+    tokens over its seconds: a drafted step that also runs EAGLE-3 over a new request's whole
+    prompt (its one-off catch-up) can take seven plain steps' time, and in a ratio of sums that one
+    step dragged the drafted arm below the plain one, where it then stayed, re-measured only every
+    ``explore_drafts``-th step. For the same reason plain is preferred only when it measures
+    ``margin`` faster: at batch 8 here the drafted arm's average moves by about that from one step
+    to the next, and a close call costs little either way."""
+
+    def __init__(self, explore_plain: int = 64, explore_drafts: int = 8, adapt: float = 0.1, min_steps: int = 3,
+                 margin: float = 0.1):
         self.explore_plain, self.explore_drafts = explore_plain, explore_drafts
-        self.adapt, self.min_steps = adapt, min_steps
-        self.arms: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted) -> [tokens, seconds, steps]
+        self.adapt, self.min_steps, self.margin = adapt, min_steps, margin
+        self.arms: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted) -> [tokens/s, steps]
         self.steps: dict[int, int] = {}
 
     def rate(self, batch: int, drafted: bool) -> float | None:
         arm = self.arms.get((batch, drafted))
-        return arm[0] / arm[1] if arm and arm[2] >= self.min_steps and arm[1] > 0 else None
+        return arm[0] if arm and arm[1] >= self.min_steps else None
 
     def prefers_plain(self, batch: int) -> bool:
         spec, plain = self.rate(batch, True), self.rate(batch, False)
-        return spec is not None and plain is not None and plain > spec
+        return spec is not None and plain is not None and plain > spec * (1 + self.margin)
 
     def plain(self, batch: int) -> bool:
         """Whether this step of a ``batch``-row decode goes without drafts."""
@@ -151,18 +160,17 @@ class SpeculationCheck:
             return False
         n = self.steps[batch] = self.steps.get(batch, 0) + 1
         prefer = self.prefers_plain(batch)
-        other = self.arms.get((batch, prefer), [0, 0, 0])[2]  # steps the other arm has been measured
+        other = self.arms.get((batch, prefer), [0, 0])[1]  # steps the other arm has been measured
         every = 4 if other < self.min_steps else self.explore_drafts if prefer else self.explore_plain
         return prefer != (n % every == 0)
 
     def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         if batch < 2 or seconds <= 0:
             return
-        arm = self.arms.setdefault((batch, drafted), [0.0, 0.0, 0])
-        a = self.adapt if arm[2] else 1.0
-        arm[0] = (1 - a) * arm[0] + a * tokens
-        arm[1] = (1 - a) * arm[1] + a * seconds
-        arm[2] += 1
+        arm = self.arms.setdefault((batch, drafted), [0.0, 0])
+        a = self.adapt if arm[1] else 1.0
+        arm[0] = (1 - a) * arm[0] + a * tokens / seconds
+        arm[1] += 1
 
 
 def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5) -> StepCosts:

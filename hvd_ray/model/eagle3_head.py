@@ -321,6 +321,8 @@ class Eagle3Head(nn.Module):
         positions: Tensor | None = None,
         attn_mask: Tensor | None = None,
         advance: bool = True,
+        logits_at: Sequence[int] | None = None,
+        floors: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One head step over ``tokens [B, T]`` (target ids) and ``hidden [B, T, H]``.
 
@@ -328,7 +330,11 @@ class Eagle3Head(nn.Module):
         [B, T]`` are the RoPE positions (default: the write rows). ``attn_mask [B, T, S]`` says which
         cache rows ``0..S-1`` each token sees, ``S = max(starts) + T`` (default: causal, everything
         below its own row). ``advance`` commits the new rows (``lengths = starts + T``); drafting
-        passes ``False`` so nothing needs rolling back. Returns ``(prenorm [B,T,H], logits [B,T,Vd])``.
+        passes ``False`` so nothing needs rolling back. Returns ``(prenorm [B,T,H], logits [B,T,Vd])``;
+        with ``logits_at`` only row ``b``'s logits at position ``logits_at[b]`` (``[B,1,Vd]``):
+        catching up on a 1,000-token prompt, the other 999 rows of the draft-vocabulary head would
+        cost more than the layer itself. ``floors[b]``: cache rows below it are hidden from row ``b`` (a head that
+        caught up on the last part of a long context only: the rows before were never written).
         """
         cache = self.cache
         if cache is None:
@@ -347,14 +353,17 @@ class Eagle3Head(nn.Module):
             mask = torch.arange(span, device=dev)[None, None, :] <= rows[:, :, None]
         else:
             mask = attn_mask.to(dev)
+        if floors is not None and any(floors):
+            mask = mask & (torch.arange(span, device=dev)[None, None, :] >= torch.tensor(list(floors), device=dev)[:, None, None])
 
-        prenorm, logits = self._step(tokens, hidden, cos, sin, cache, slots, start_t, mask)
+        prenorm, logits = self._step(tokens, hidden, cos, sin, cache, slots, start_t, mask, logits_at=logits_at)
         if advance:
             for b, s in enumerate(slots):
                 cache.lengths[s] = starts[b] + T
         return prenorm, logits
 
-    def _step(self, tokens: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, *attn_args) -> tuple[Tensor, Tensor]:
+    def _step(self, tokens: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, *attn_args,
+              logits_at: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         layer = self.midlayer
         h = hidden.to(device=self.device, dtype=self.dtype)
         hn = layer.hidden_norm(h)
@@ -362,7 +371,10 @@ class Eagle3Head(nn.Module):
         resid = hn if layer.norm_before_residual else h
         resid = resid + layer.self_attn(x, cos, sin, *attn_args)
         prenorm = resid + layer.mlp(layer.post_attention_layernorm(resid))
-        return prenorm, linear(self.norm(prenorm), self.lm_head)
+        out = prenorm
+        if logits_at is not None:
+            out = prenorm[torch.arange(len(logits_at), device=prenorm.device), torch.tensor(list(logits_at), device=prenorm.device)][:, None]
+        return prenorm, linear(self.norm(out), self.lm_head)
 
     def teacher_forward(self, next_tokens: Tensor, taps: Tensor) -> Tensor:
         """Differentiable training forward: logits ``[B, T, V_draft]`` for sequences of pairs
