@@ -240,6 +240,11 @@ def test_catch_ups_together_equal_one_by_one(target):
         toks = [prefill(target, d, f"r{i}", prompt_ids(n, 20 + i), i) for i, n in enumerate(lens)]
         asks = [ask(f"r{i}", i, toks[i], 4) for i in range(3)]
         drafts = d.propose(asks) if together else [d.propose([a])[0] for a in asks]
+        # each request is charged its own catch-up (Draft.setup_s): in one padded forward, by its tokens
+        assert all(x.setup_s > 0 for x in drafts)
+        if together:
+            assert [x.setup_s / drafts[0].setup_s for x in drafts] == pytest.approx([n / lens[0] for n in lens])
+        assert all(x.setup_s == 0 for x in d.propose(asks))  # nothing left to catch up
         states = [d._state(f"r{i}") for i in range(3)]
         assert [d.committed(f"r{i}") for i in range(3)] == [n for n in lens]
         runs.append((drafts, [s.logp.clone() for s in states], [s.hidden.clone() for s in states],
@@ -280,6 +285,25 @@ def test_a_windowed_catch_up_never_sees_the_rows_it_skipped(target):
         assert x.probs == pytest.approx(y.probs, abs=1e-6)
     with pytest.raises(ValueError, match="catch_up_window"):
         Eagle3Drafter(target, head, catch_up_window=0)
+
+
+def test_a_windowed_head_in_the_engine_stays_in_step_and_lossless(target_folder):
+    """Prompts longer than the window, a batch of three with ragged backlogs, chains and trees:
+    the head keeps in step with every request through acceptance and rejection, and greedy output
+    is the plain engine's."""
+    from hvd_ray.engine import Engine, SamplingParams
+
+    prompts = [prompt_ids(n, 40 + n) for n in (37, 52, 44)]
+    params = SamplingParams(max_tokens=24)
+    model = Transformer.from_pretrained(target_folder, dtype=torch.float32)
+    plain = [r.output for r in Engine(model, max_batch=3, max_len=128).generate(prompts, params)]
+    for tree in (False, True):
+        model = Transformer.from_pretrained(target_folder, dtype=torch.float32)
+        head = Eagle3Head.from_target(model, draft_vocab_size=256, seed=8)
+        d = Eagle3Drafter(model, head, tree=tree, top_k=3, depth=4, max_nodes=8, catch_up_window=6)
+        reqs = Engine(model, drafters=[d], max_batch=3, max_len=128, num_draft_tokens=4).generate(prompts, params)
+        assert [r.output for r in reqs] == plain
+        assert all(r.finish_reason == "length" and max(s.drafted for s in r.stats.steps) > 0 for r in reqs)
 
 
 def test_tree_is_valid_and_contains_the_chain(target):

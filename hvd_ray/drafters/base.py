@@ -22,7 +22,9 @@ class Draft:
     last context token. ``probs[i]`` is the drafter's own probability for token i (the suffix tree's
     path probability, a model's softmax probability). ``dists`` holds full draft distributions for
     chain drafts that were *sampled* from a model, which rejection sampling needs; deterministic
-    drafts (greedy, top-k, suffix tree) leave it ``None``.
+    drafts (greedy, top-k, suffix tree) leave it ``None``. ``setup_s``: seconds the drafter spent on
+    this request alone before drafting (EAGLE-3 catching up on the tokens since it last drafted): the
+    engine charges them to this request, not to the others in the same batched ``propose``.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -32,6 +34,7 @@ class Draft:
     match_len: int = 0
     source: str = ""
     dists: torch.Tensor | None = None
+    setup_s: float = field(default=0.0, compare=False)  # a timing, not part of what was drafted
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -50,7 +53,7 @@ class Draft:
         """The first ``n`` tokens (a prefix in tree order is still a valid tree)."""
         dists = self.dists[:n] if self.dists is not None else None
         return Draft(self.token_ids[:n], self.parents[:n], self.probs[:n], self.score,
-                     self.match_len, self.source, dists)
+                     self.match_len, self.source, dists, self.setup_s)
 
 
 @dataclass

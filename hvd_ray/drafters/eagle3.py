@@ -11,10 +11,12 @@ after drafting is free and exact.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..model.eagle3_head import Eagle3Head
@@ -33,6 +35,7 @@ class _ReqState:
     pending_tokens: list[int] = field(default_factory=list)
     pending_taps: list[Tensor] = field(default_factory=list)
     floor: int = 0  # the head's first cache row written for this request (``catch_up_window``)
+    setup_s: float = 0.0  # seconds of the last catch-up (``Draft.setup_s``)
 
 
 # Backlogs of at most this many tokens are caught up together, padded to the longest (_catch_up).
@@ -193,13 +196,13 @@ class Eagle3Drafter(Drafter):
                 continue
             if cache.lengths[st.slot] + n + self.draft_room > cache.max_len:
                 raise ValueError(f"request {req_id!r} would overflow the head's cache ({cache.max_len} rows)")
-            taps, tokens = torch.cat(st.pending_taps), st.pending_tokens
             skip = n - self.catch_up_window if self.catch_up_window is not None else 0
             if skip > 0:  # only the last window: the rows skipped stay unwritten, hidden below the floor
                 cache.lengths[st.slot] += skip
                 st.floor = cache.lengths[st.slot]
-                taps, tokens = taps[skip:], tokens[skip:]
-            todo.append((st, tokens, taps))
+                st.pending_taps = [torch.cat(st.pending_taps)[skip:]]
+                st.pending_tokens = st.pending_tokens[skip:]
+            todo.append((st, st.pending_tokens, torch.cat(st.pending_taps)))
         # (padding writes up to CATCH_UP_BATCH rows past a backlog: only where the cache has room)
         short = [t for t in todo if len(t[1]) <= CATCH_UP_BATCH
                  and cache.lengths[t[0].slot] + CATCH_UP_BATCH <= cache.max_len]
@@ -207,9 +210,10 @@ class Eagle3Drafter(Drafter):
             short = []
         for group in ([short] if short else []) + [[t] for t in todo if not any(t is u for u in short)]:
             T = max(len(tokens) for _, tokens, _ in group)
-            pad = lambda x, n: torch.nn.functional.pad(x, (0, 0, 0, n))  # noqa: E731 - rows past a backlog: never seen
-            fused = head.fuse(torch.stack([pad(taps, T - len(tokens)) for _, tokens, taps in group]))
+            # rows past a backlog are padding: written past its length, never seen, overwritten later
+            fused = head.fuse(torch.stack([F.pad(taps, (0, 0, 0, T - len(tokens))) for _, tokens, taps in group]))
             ids = torch.tensor([tokens + [tokens[-1]] * (T - len(tokens)) for _, tokens, _ in group], device=head.device)
+            t0 = time.perf_counter()
             sts = [st for st, _, _ in group]
             starts = [cache.lengths[st.slot] for st in sts]
             prenorm, logits = head(ids, fused, [st.slot for st in sts], starts=starts, advance=False,
@@ -220,6 +224,9 @@ class Eagle3Drafter(Drafter):
                 st.logp = torch.log_softmax(logits[b, 0].float(), dim=-1)
                 st.last_token = tokens[-1]
                 st.pending_tokens, st.pending_taps = [], []
+            spent, total = time.perf_counter() - t0, sum(len(t) for _, t, _ in group)
+            for st, tokens, _ in group:  # each request's share, by its tokens
+                st.setup_s = spent * len(tokens) / total
 
     # --------------------------------------------------------------------------------- propose
     @torch.inference_mode()
@@ -246,6 +253,8 @@ class Eagle3Drafter(Drafter):
             made = self._tree(live) if self.tree else self._chain(live)
             for (i, *_), d in zip(live, made):
                 drafts[i] = d
+        for i, st in asked:
+            drafts[i].setup_s, st.setup_s = st.setup_s, 0.0
         return drafts
 
     def _chain(self, live: list[tuple[int, _ReqState, int, int]]) -> list[Draft]:

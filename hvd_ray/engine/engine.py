@@ -285,11 +285,15 @@ class Engine:
                     and (caps is None or caps[i] > 0)]
             if idxs:
                 t0 = time.perf_counter()
-                for i, d in zip(idxs, self._propose(src, [reqs[i] for i in idxs],
-                                                    None if caps is None else [caps[i] for i in idxs])):
+                made = self._propose(src, [reqs[i] for i in idxs], None if caps is None else [caps[i] for i in idxs])
+                spent = time.perf_counter() - t0
+                # what the drafter spent on one request alone is that request's (a new prompt's
+                # catch-up); the batched drafting is split evenly
+                alone = [getattr(d, "setup_s", 0.0) if d is not None else 0.0 for d in made]
+                shared = max(0.0, spent - sum(alone)) / len(idxs)
+                for i, d, s in zip(idxs, made, alone):
                     choices[i].draft = d
-                for i in idxs:
-                    own[reqs[i].req_id] += (time.perf_counter() - t0) / len(idxs)
+                    own[reqs[i].req_id] += s + shared
         drafts: list[Draft] = [Draft() for _ in reqs]
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None and not r.finished:
