@@ -196,24 +196,27 @@ class Eagle3Drafter(Drafter):
                 continue
             if cache.lengths[st.slot] + n + self.draft_room > cache.max_len:
                 raise ValueError(f"request {req_id!r} would overflow the head's cache ({cache.max_len} rows)")
+            taps = torch.cat(st.pending_taps)
             skip = n - self.catch_up_window if self.catch_up_window is not None else 0
             if skip > 0:  # only the last window: the rows skipped stay unwritten, hidden below the floor
                 cache.lengths[st.slot] += skip
                 st.floor = cache.lengths[st.slot]
-                st.pending_taps = [torch.cat(st.pending_taps)[skip:]]
-                st.pending_tokens = st.pending_tokens[skip:]
-            todo.append((st, st.pending_tokens, torch.cat(st.pending_taps)))
+                taps, st.pending_tokens = taps[skip:], st.pending_tokens[skip:]
+            st.pending_taps = [taps]  # (the backlog as it will run, should a failed propose be retried)
+            todo.append((st, st.pending_tokens, taps))
         # (padding writes up to CATCH_UP_BATCH rows past a backlog: only where the cache has room)
         short = [t for t in todo if len(t[1]) <= CATCH_UP_BATCH
                  and cache.lengths[t[0].slot] + CATCH_UP_BATCH <= cache.max_len]
         if len(short) < 2:
             short = []
-        for group in ([short] if short else []) + [[t] for t in todo if not any(t is u for u in short)]:
+        batched = {id(st) for st, _, _ in short}
+        for group in ([short] if short else []) + [[t] for t in todo if id(t[0]) not in batched]:
+            t0 = time.perf_counter()
             T = max(len(tokens) for _, tokens, _ in group)
             # rows past a backlog are padding: written past its length, never seen, overwritten later
             fused = head.fuse(torch.stack([F.pad(taps, (0, 0, 0, T - len(tokens))) for _, tokens, taps in group]))
-            ids = torch.tensor([tokens + [tokens[-1]] * (T - len(tokens)) for _, tokens, _ in group], device=head.device)
-            t0 = time.perf_counter()
+            ids = torch.tensor([tokens + [tokens[-1]] * (T - len(tokens)) for _, tokens, _ in group],
+                               device=head.device)
             sts = [st for st, _, _ in group]
             starts = [cache.lengths[st.slot] for st in sts]
             prenorm, logits = head(ids, fused, [st.slot for st in sts], starts=starts, advance=False,

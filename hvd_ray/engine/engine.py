@@ -289,7 +289,7 @@ class Engine:
                 spent = time.perf_counter() - t0
                 # what the drafter spent on one request alone is that request's (a new prompt's
                 # catch-up); the batched drafting is split evenly
-                alone = [getattr(d, "setup_s", 0.0) if d is not None else 0.0 for d in made]
+                alone = [d.setup_s if d is not None else 0.0 for d in made]
                 shared = max(0.0, spent - sum(alone)) / len(idxs)
                 for i, d, s in zip(idxs, made, alone):
                     choices[i].draft = d

@@ -333,8 +333,9 @@ class Eagle3Head(nn.Module):
         passes ``False`` so nothing needs rolling back. Returns ``(prenorm [B,T,H], logits [B,T,Vd])``;
         with ``logits_at`` only row ``b``'s logits at position ``logits_at[b]`` (``[B,1,Vd]``):
         catching up on a 1,000-token prompt, the other 999 rows of the draft-vocabulary head would
-        cost more than the layer itself. ``floors[b]``: cache rows below it are hidden from row ``b`` (a head that
-        caught up on the last part of a long context only: the rows before were never written).
+        cost more than the layer itself. ``floors[b]``: cache rows below it are hidden from row
+        ``b`` (a head that caught up on the last part of a long context only: the rows before were
+        never written).
         """
         cache = self.cache
         if cache is None:
@@ -354,7 +355,8 @@ class Eagle3Head(nn.Module):
         else:
             mask = attn_mask.to(dev)
         if floors is not None and any(floors):
-            mask = mask & (torch.arange(span, device=dev)[None, None, :] >= torch.tensor(list(floors), device=dev)[:, None, None])
+            floor_t = torch.tensor(list(floors), device=dev)
+            mask = mask & (torch.arange(span, device=dev)[None, None, :] >= floor_t[:, None, None])
 
         prenorm, logits = self._step(tokens, hidden, cos, sin, cache, slots, start_t, mask, logits_at=logits_at)
         if advance:
@@ -373,7 +375,8 @@ class Eagle3Head(nn.Module):
         prenorm = resid + layer.mlp(layer.post_attention_layernorm(resid))
         out = prenorm
         if logits_at is not None:
-            out = prenorm[torch.arange(len(logits_at), device=prenorm.device), torch.tensor(list(logits_at), device=prenorm.device)][:, None]
+            at = torch.tensor(list(logits_at), device=prenorm.device)
+            out = prenorm[torch.arange(len(at), device=prenorm.device), at][:, None]
         return prenorm, linear(self.norm(out), self.lm_head)
 
     def teacher_forward(self, next_tokens: Tensor, taps: Tensor) -> Tensor:

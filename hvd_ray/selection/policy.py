@@ -391,9 +391,8 @@ class CostPolicy(Policy):
             if self.forward_s:
                 # Start from the prior and clip outliers: the first model draft of a request also
                 # runs the head over its prompt (EAGLE-3's lazy catch-up, charged to this request
-                # alone: Draft.setup_s); taken at face value
-                # that one step would price the model drafter out for good, and it would never be
-                # tried (and re-measured) again.
+                # alone: Draft.setup_s); taken at face value that one step would price the model
+                # drafter out for good, and it would never be tried (and re-measured) again.
                 cur = self.model_draft_cost
                 if cur is None:
                     cur = max(1.0, self.model_len_seen) * self.model_token_cost
