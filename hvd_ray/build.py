@@ -46,6 +46,9 @@ class EngineSpec:
                                           "match; unset: max(num_draft_tokens, 64))")
     max_batch: int = _opt(8, "KV-cache slots = requests decoded together")
     max_len: int = _opt(2048, "context per request (prompt + output), capped by the model's")
+    prefix_reuse: bool = _opt(True, "a new request whose prompt starts with a finished request's tokens takes its "
+                              "KV slot and prefills only the rest (agent turns, retries)",
+                              action=argparse.BooleanOptionalAction)
     suffix_history: str | None = _opt(None, "start the suffix drafter's global tree with the train-split outputs "
                                       "of this collect_traces folder (past outputs of the same model)",
                                       metavar="TRACES")
@@ -107,7 +110,7 @@ def build_engine(spec: EngineSpec, model, tokenizer, *, suffix_cache=None, draft
     return Engine(model, drafters=drafters, policy=policy, slim=slim_tier, max_batch=spec.max_batch,
                   max_len=max_len, num_draft_tokens=spec.num_draft_tokens if drafters else 0,
                   cache_draft_tokens=spec.cache_draft_tokens, eos_token_ids=[eos] if eos is not None else [],
-                  detokenize=detokenize)
+                  detokenize=detokenize, prefix_reuse=spec.prefix_reuse)
 
 
 def _drafters(spec: EngineSpec, model, tokenizer, max_len: int, cache) -> tuple[list, Any]:

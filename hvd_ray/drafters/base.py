@@ -88,6 +88,11 @@ class Drafter(abc.ABC):
     def begin(self, req_id: str, prompt: Sequence[int], slot: int) -> None:
         """A request starts in KV slot ``slot`` with ``prompt``."""
 
+    def reuse_prefix(self, req_id: str, n: int) -> None:
+        """Called after ``begin`` when the target's K/V of the prompt's first ``n`` tokens was left in
+        the slot by an earlier request (prefix reuse): the prefill, and so ``observe_target``,
+        starts at position ``n``."""
+
     def accept(self, req_id: str, tokens: Sequence[int]) -> None:
         """``tokens`` were emitted for the request (after verification)."""
 

@@ -122,6 +122,11 @@ class Eagle3Drafter(Drafter):
         cache.lengths[slot] = 0
         self._reqs[req_id] = _ReqState(slot)
 
+    def reuse_prefix(self, req_id: str, n: int) -> None:
+        # taps come from position n on: the head's rows below it stay unwritten, hidden by the floor
+        st = self._state(req_id)
+        self.head.cache.lengths[st.slot] = st.floor = n
+
     def accept(self, req_id: str, tokens: Sequence[int]) -> None:
         # Everything the head needs arrives through observe_target (tokens paired with taps).
         self._state(req_id)

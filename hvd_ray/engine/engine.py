@@ -9,6 +9,11 @@ Failure isolation: an exception in one request's own work (a drafter's ``begin``
 ``accept``, the policy, sampling, verification) fails that request alone (``finish_reason
 "error"``, its slot freed) and the batch goes on. Only the target forward, which every running
 request shares, propagates: after it fails the cache's state is unknown, so the caller must stop.
+
+Prefix reuse: a finished request's K/V stays in its slot (``KVCache.tokens`` records whose), and a
+new request whose prompt starts with those tokens takes that slot and prefills only the rest. An
+agent loop re-sends the conversation so far each turn and a retry re-sends the same prompt; both
+would otherwise pay the whole prefill again (vLLM's prefix caching does the same, by block).
 """
 
 from __future__ import annotations
@@ -67,6 +72,23 @@ class StepOutput:
     error: str | None = None  # finish_reason "error": what went wrong with this request
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if n <= 0 or a[0] != b[0]:
+        return 0
+    if a[:n] == b[:n]:  # one C-level comparison: the usual case is a whole earlier turn
+        return n
+    lo, hi = 1, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def check_fits(prompt: Sequence[int], params: SamplingParams, num_draft_tokens: int, max_len: int,
                vocab_size: int | None = None) -> list[int]:
     """The prompt as a list of ints; rejects one that is not token ids (in ``[0, vocab_size)``), is
@@ -109,6 +131,7 @@ class Engine:
         eos_token_ids: Iterable[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         slim: SlimTier | None = None,
+        prefix_reuse: bool = True,
     ):
         self.model = model
         self.drafters = list(drafters)
@@ -132,6 +155,7 @@ class Engine:
             model.setup_cache(max_batch, max_len)
         self.max_len = model.cache.max_len
         self.free_slots = deque(range(model.cache.slots))
+        self.prefix_reuse = prefix_reuse
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.taps = tuple(sorted({t for d in self.drafters for t in d.needs_taps}))
@@ -166,11 +190,14 @@ class Engine:
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
-            req.slot = self.free_slots.popleft()
-            self.model.cache.truncate(req.slot, 0)
+            req.slot, reused = self._slot_for(req.prompt)
+            self.model.cache.truncate(req.slot, reused)
+            req.stats.cached_tokens = reused
             try:
                 for d in self.drafters:
                     d.begin(req.req_id, req.prompt, req.slot)
+                    if reused:
+                        d.reuse_prefix(req.req_id, reused)
             except Exception as e:  # noqa: BLE001 - this request's drafter state: fail it alone
                 self.running.append(req)
                 self._fail(req, e, "drafter begin")
@@ -186,10 +213,25 @@ class Engine:
         self._release(outputs)
         return outputs
 
+    def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for ``prompt``, and how many of its first tokens' K/V that slot holds: the
+        slot whose recorded tokens share the longest prefix with it, else the longest-free one. At
+        least the last prompt token is computed again (its logits give the first output token)."""
+        cache = self.model.cache
+        best, reused = self.free_slots[0], 0
+        if self.prefix_reuse:
+            for slot in self.free_slots:
+                n = common_prefix(cache.tokens[slot], prompt, min(cache.lengths[slot], len(prompt) - 1))
+                if n > reused:
+                    best, reused = slot, n
+        self.free_slots.remove(best)
+        return best, reused
+
     def _release(self, outputs: list[StepOutput]) -> None:
         for req in [r for r in self.running if r.finished]:
             self.running.remove(req)
             self.free_slots.append(req.slot)
+            self._keep(req)
             for d in self.drafters:
                 try:
                     d.end(req.req_id)
@@ -197,6 +239,17 @@ class Engine:
                     logger.exception("drafter %s failed to end request %s", d.name, req.req_id)
             if req.finish_reason in ("abort", "error"):
                 outputs.append(StepOutput(req.req_id, [], True, req.finish_reason, req.error))
+
+    def _keep(self, req: Request) -> None:
+        """Record whose K/V a finished request leaves in its slot (none after a failure, whose
+        cache state is unknown; behind ``full_len`` only, where a lossy tier settled tokens)."""
+        cache = self.model.cache
+        if not self.prefix_reuse or req.finish_reason == "error" or req.slot < 0:
+            return
+        n = cache.lengths[req.slot]
+        if self.slim is not None and req.full_len is not None:
+            n = min(n, req.full_len)
+        cache.tokens[req.slot] = req.tokens[:n]
 
     def _fail(self, req: Request, e: BaseException, where: str) -> None:
         """End ``req`` with ``finish_reason "error"``; ``_release`` frees its slot and reports it."""
@@ -210,14 +263,14 @@ class Engine:
         results = []
         for req in reqs:
             t0 = time.perf_counter()
-            n = len(req.prompt)
-            out = self.model(torch.tensor([req.prompt], device=dev), [req.slot], taps=self.taps, last_only=True)
+            c = self.model.cache.lengths[req.slot]  # K/V already there (prefix reuse)
+            out = self.model(torch.tensor([req.prompt[c:]], device=dev), [req.slot], taps=self.taps, last_only=True)
             try:
                 first = self._first_tokens([req], out.logits[:, -1])[0]
                 req.stats.prefill_s = time.perf_counter() - t0
                 req.stats.target_forwards += 1
                 if self.taps:
-                    self._observe(req, req.prompt[1:] + [first], out.taps, 0, slice(0, n))
+                    self._observe(req, req.prompt[c + 1:] + [first], out.taps, 0, slice(0, len(req.prompt) - c))
                 results.append(self._emit(req, [first]))
             except Exception as e:  # noqa: BLE001
                 self._fail(req, e, "sampling the first token")

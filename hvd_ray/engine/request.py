@@ -67,6 +67,7 @@ class StepRecord:
 @dataclass
 class RequestStats:
     prefill_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose K/V a finished request left in the slot (not prefilled)
     decode_s: float = 0.0
     target_forwards: int = 0  # full-target forwards, prefill included
     slim_forwards: int = 0  # slim-verifier (q') forwards of the VIA-SD tier
@@ -85,6 +86,7 @@ class RequestStats:
             "draft_s": sum(s.draft_s for s in self.steps),
             "verify_s": sum(s.verify_s for s in self.steps),
             "prefill_s": self.prefill_s,
+            "cached_tokens": self.cached_tokens,
             "decode_s": self.decode_s,
             "slim_forwards": self.slim_forwards,
             "slim_accepted": sum(s.slim_accepted for s in self.steps),

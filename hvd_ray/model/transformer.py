@@ -282,6 +282,11 @@ class KVCache:
 
     ``lengths`` is a plain Python list: the engine reads and writes it every step, and list access
     is far cheaper than touching a tensor. Entries past ``lengths[slot]`` are garbage by contract.
+
+    ``tokens[slot]``: the token ids whose K/V the slot's first rows hold, where the engine recorded
+    them (a finished request's prompt and output: prefix reuse). Forwards only append past
+    ``lengths``, so the record stays true until ``truncate`` or ``compact`` rewinds the slot, and
+    those cut it; it lives here, not in an engine, so engines that share a model stay correct.
     """
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
@@ -290,6 +295,7 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.lengths = [0] * slots
+        self.tokens: list[list[int]] = [[] for _ in range(slots)]
         self.max_len = max_len
 
     @property
@@ -301,6 +307,8 @@ class KVCache:
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
+        if len(self.tokens[slot]) > length:
+            del self.tokens[slot][length:]
 
     def compact(self, slot: int, start: int, keep: Sequence[int]) -> None:
         """Move entries at ``start + keep[i]`` to ``start + i`` and set the length to ``start + len(keep)``.
@@ -309,6 +317,8 @@ class KVCache:
         positions and must become contiguous. ``keep`` is increasing, so a gather-then-write is safe.
         """
         n = len(keep)
+        if len(self.tokens[slot]) > start:
+            del self.tokens[slot][start:]
         if list(keep) != list(range(n)) and self.k[0].device.type == "cuda":
             from kernels import compact_kv  # Triton: in place, one launch per layer, no gathered copy
 

@@ -40,7 +40,7 @@ VLLM_OWN_ARGS = {"model": "model", "tokenizer": "model", "dtype": "dtype", "max_
 # fields of hvd-ray's own engine, which the vLLM backend cannot honour
 HVD_ONLY = ("drafter", "num_draft_tokens", "cache_draft_tokens", "draft_model", "eagle3_head", "layerskip", "policy",
             "model_drafter", "predictor", "slim", "slim_mode", "suffix_actor", "suffix_actor_mode", "suffix_history",
-            "suffix_actor_name", "tp_ray_actor_options")
+            "suffix_actor_name", "tp_ray_actor_options", "prefix_reuse")
 
 
 class ServingConfig(BaseModel):
@@ -83,6 +83,7 @@ class ServingConfig(BaseModel):
                                    "actor in the background | remote: the actor holds the request trees and "
                                    "drafts for the whole batch once per step")
     suffix_history: str | None = _spec("suffix_history")
+    prefix_reuse: bool = _spec("prefix_reuse")
     suffix_actor_name: str = Field("hvd-suffix-drafter", description="name of that actor (one per application)")
 
     # --- engine limits

@@ -102,6 +102,11 @@ def _openapi() -> dict:
 api.openapi = _openapi
 
 
+def _cached(finish: dict) -> int | None:
+    """Prompt tokens the replica did not prefill (prefix reuse), when its engine reports them."""
+    return (finish.get("stats") or {}).get("cached_tokens")
+
+
 def _replica_failed(e: BaseException) -> P.APIError:
     """The replica call raised: a replica that died or became unreachable is a clean 503 to retry;
     an exception inside its code (a bug) is a 500."""
@@ -266,7 +271,7 @@ class OpenAIIngress:
                         done = True
                         yield _sse(chunk(None, ev["finish_reason"]))
                         if include_usage:
-                            use = P.usage(ev["prompt_tokens"], ev["completion_tokens"])
+                            use = P.usage(ev["prompt_tokens"], ev["completion_tokens"], _cached(ev))
                             yield _sse(P.usage_chunk(rid, model, created, obj, use))
                     elif ev["type"] == "error":
                         done = True
@@ -286,7 +291,7 @@ class OpenAIIngress:
             return StreamingResponse(self._stream(gen, start, kind, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, fin = await self._collect(gen)
-        use = P.usage(fin["prompt_tokens"], fin["completion_tokens"])
+        use = P.usage(fin["prompt_tokens"], fin["completion_tokens"], _cached(fin))
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         build = P.chat_response if kind == "chat" else P.completion_response
         return JSONResponse(build(rid, self.cfg.model_id, text, fin["finish_reason"], use))

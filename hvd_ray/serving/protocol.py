@@ -237,9 +237,13 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose K/V was reused (prefix reuse)."""
+    use = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        use["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return use
 
 
 def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:

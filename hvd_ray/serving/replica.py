@@ -103,6 +103,7 @@ class EngineLoop:
         self.decode_tokens = 0
         self.decode_steps = 0
         self.cache_steps = 0  # decode steps that verified a suffix-cache draft
+        self.prompt_tokens = self.cached_tokens = 0  # of finished requests; cached: K/V reused, not prefilled
         self.finished = 0
         self.aborted = 0
         self.failed = 0  # requests the engine failed alone (their error events were sent)
@@ -135,6 +136,7 @@ class EngineLoop:
                 "steps": self.steps, "finished": self.finished, "aborted": self.aborted, "failed": self.failed,
                 "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
                 "cache_chosen_rate": self.cache_steps / self.decode_steps if self.decode_steps else 0.0,
+                "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_tokens,
                 "healthy": self.error is None and self._thread.is_alive()}
 
     # ---- the loop thread
@@ -219,6 +221,8 @@ class EngineLoop:
                 self.decode_steps += n_steps
                 self.decode_tokens += sum(s.accepted + 1 for s in req.stats.steps)
                 self.cache_steps += sum(s.source.startswith("suffix") for s in req.stats.steps)
+                self.prompt_tokens += len(req.prompt)
+                self.cached_tokens += req.stats.cached_tokens
                 if self.metrics:
                     self.metrics.forwards.inc(summary["target_forwards"])
                     if self.decode_steps:

@@ -1,0 +1,78 @@
+"""Prefix reuse: a new request whose prompt starts with a finished request's tokens takes that
+request's KV slot and prefills only the rest (engine/engine.py). Outputs must not change: fp32,
+the real default model and real prompts, compared with the same engine without reuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import MAX_NEW
+from hvd_ray.build import EngineSpec, build_engine
+from hvd_ray.engine import SamplingParams
+from hvd_ray.model.transformer import KVCache
+
+
+def test_the_cache_forgets_what_truncate_and_compact_rewrite(target):
+    model, _ = target
+    cache = KVCache(model.cfg, 2, 32, torch.float32, torch.device("cpu"))
+    cache.lengths[0] = 10
+    cache.tokens[0] = list(range(10))
+    cache.truncate(0, 7)
+    assert cache.tokens[0] == list(range(7))
+    cache.lengths[0] = 10
+    cache.compact(0, 5, [0, 2])
+    assert cache.tokens[0] == list(range(5)) and cache.lengths[0] == 7
+    cache.truncate(0, 0)
+    assert cache.tokens[0] == [] and cache.tokens[1] == []
+
+
+def _follow_up(tok) -> list[int]:
+    return tok("\n\nPlease give that again, shorter.\n", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["none", "eagle3", "hvd"])
+def test_agent_turns_and_retries_reuse_their_slot_and_decode_the_same(drafter, target, prompts):
+    """Two conversations at batch 2; their second turns (prompt + answer + a follow-up) arrive in the
+    other order and each lands in its own first turn's slot; then a retry of the first prompt.
+    EAGLE-3 (hvd's model drafter) sees taps only from the reused length on."""
+    model, tok = target
+    firsts_in = [prompts[0], prompts[5]]  # code, chat
+    params = SamplingParams(max_tokens=MAX_NEW)
+
+    def run(reuse: bool):
+        spec = EngineSpec(drafter=drafter, max_batch=2, max_len=1024, num_draft_tokens=6, prefix_reuse=reuse)
+        eng = build_engine(spec, model, tok)
+        firsts = eng.generate(firsts_in, params)
+        turns = [p + r.output + _follow_up(tok) for p, r in zip(firsts_in, firsts)][::-1]
+        seconds = eng.generate(turns, params)
+        retry = eng.generate([firsts_in[0]], params)
+        return firsts, seconds, retry
+
+    firsts, seconds, retry = run(True)
+    _, seconds0, retry0 = run(False)
+    assert [r.output for r in seconds] == [r.output for r in seconds0]
+    assert retry[0].output == retry0[0].output
+    assert all(r.stats.cached_tokens == 0 for r in seconds0 + retry0)
+    for first, r in zip(firsts[::-1], seconds):
+        # the slot held the first turn's prompt and output but its last (pending) token
+        assert r.stats.cached_tokens == len(first.prompt) + len(first.output) - 1
+    assert retry[0].stats.cached_tokens == len(firsts_in[0]) - 1  # all but the last prompt token
+
+
+@pytest.mark.slow
+def test_engines_sharing_a_model_never_reuse_what_another_overwrote(target, prompts):
+    """The record of whose K/V a slot holds lives in the model's cache, so an engine on the same
+    model that overwrote the slot leaves a true record (here: its own prompt) behind."""
+    model, tok = target
+    params = SamplingParams(max_tokens=MAX_NEW)
+    a = build_engine(EngineSpec(max_batch=1, max_len=1024), model, tok)
+    b = build_engine(EngineSpec(max_batch=1, max_len=1024), model, tok)
+    first = a.generate([prompts[4]], params)[0]
+    b.generate([prompts[8]], params)  # slot 0 now holds another conversation
+    turn = prompts[4] + first.output + _follow_up(tok)
+    got = a.generate([turn], params)[0]
+    assert 0 < got.stats.cached_tokens < len(prompts[4])  # the chat template's common start only
+    fresh = build_engine(EngineSpec(max_batch=1, max_len=1024, prefix_reuse=False), model, tok)
+    assert got.output == fresh.generate([turn], params)[0].output
