@@ -56,11 +56,18 @@ def run_interleaved(runners: dict[str, Runner], prompts, params: SamplingParams,
     """Every method on a prompt before the next prompt (A B A B ...), batch 1. The first method is
     the reference (greedy): later methods see its output for this prompt as ``ref`` (the live
     oracle needs it) and are scored against it. Methods without engine stats (peers) count only
-    tokens and time."""
+    tokens and time.
+
+    A prompt may carry a fourth item, ``(ids, greedy's output)`` of an earlier turn that every method
+    decodes, unmeasured and unscored, just before it: the agent regime's previous turn, which a
+    serving engine has just decoded when the next one arrives (its K/V is still in a slot). A
+    runner's ``prelude`` attribute, if any, runs it (e.g. without the audit)."""
     runs = Runs(identical={m: [] for m in runners})
-    for i, (w, pid, ids) in enumerate(prompts):
+    for i, (w, pid, ids, *before) in enumerate(prompts):
         ref_out = None
         for m, run in runners.items():  # interleaved: every method on this prompt, then the next prompt
+            if before:
+                getattr(run, "prelude", run)(before[0][0], params, before[0][1])
             t0 = time.perf_counter()
             out, stats = run(ids, params, ref_out)
             dt = time.perf_counter() - t0

@@ -34,6 +34,7 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
     from ..drafters.suffix import SuffixConfig, SuffixDrafter
 
     base, _, slim = name.partition("+")
+    model = model.with_own_cache()  # methods side by side must not reuse each other's K/V
     spec = spec_from_args(args, max_batch=1, max_len=max_len)
     drafters, oracle = None, None
     if base in ("via-lossless", "via-tiered"):

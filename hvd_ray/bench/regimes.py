@@ -5,6 +5,8 @@
   request), so the global tree holds each prompt's answer;
 * ``agent``: a second turn on the same engines: the conversation so far (the prompt and the first
   answer) plus a follow-up that asks for a revision, as an agent loop re-sends earlier outputs;
+  each method decodes the first turn again, unmeasured, just before (the previous turn of a live
+  loop has just run, so its K/V is still in the engine's slot: prefix reuse);
 * ``warm-history``: fresh engines whose global trees hold outputs of *other* requests of the same
   workloads (train-split traces, or train-split prompts decoded here): the realistic serving case.
 """

@@ -154,7 +154,8 @@ class Engine:
         if model.cache is None or model.cache.slots < max_batch or model.cache.max_len < max_len:
             model.setup_cache(max_batch, max_len)
         self.max_len = model.cache.max_len
-        self.free_slots = deque(range(model.cache.slots))
+        # max_batch slots, even where a shared model's cache has more: drafters size theirs by max_batch
+        self.free_slots = deque(range(max_batch))
         self.prefix_reuse = prefix_reuse
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

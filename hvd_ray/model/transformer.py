@@ -13,6 +13,7 @@ One file in the spirit of gpt-fast. What a speculative engine needs beyond a pla
 
 from __future__ import annotations
 
+import copy
 import glob
 import itertools
 import json
@@ -414,6 +415,14 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = cos.to(self.device), sin.to(self.device)
             self._rope_len = max_len
         return self.cache
+
+    def with_own_cache(self) -> "Transformer":
+        """The same weights (shared, not copied) with no KV cache yet: engines on it keep their own
+        slots, e.g. benchmark methods side by side, where prefix reuse must not find the K/V another
+        method left."""
+        twin = copy.copy(self)
+        twin.cache = None
+        return twin
 
     # --------------------------------------------------------------------------------- forward
     @torch.inference_mode()
