@@ -49,6 +49,7 @@ def prefix_agreement(out: list[int], ref: list[int]) -> float:
 def empty_row(stats: bool) -> dict:
     """A (workload, method) accumulator of ``run_interleaved`` (``stats``: the method has engine stats)."""
     return {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0, "draft_s": 0.0, "cache_steps": 0,
+            "prompt": 0, "cached": 0,
             "slim_forwards": 0, "decode_s": 0.0, "prefix": 0.0, "identical": 0, "n": 0, "stats": stats}
 
 
@@ -89,6 +90,8 @@ def run_interleaved(runners: dict[str, Runner], prompts, params: SamplingParams,
                 acc["steps"] += len(stats.steps)
                 acc["dec_tokens"] += sum(s.accepted + 1 for s in stats.steps)
                 acc["draft_s"] += st["draft_s"]
+                acc["prompt"] += len(ids)
+                acc["cached"] += st["cached_tokens"]
                 acc["decode_s"] += st["decode_s"]
                 runs.steps.setdefault(m, []).extend((s.source, s.accepted, s.predicted) for s in stats.steps)
         print(f"[{progress}{i + 1}/{len(prompts)}] {pid}", file=sys.stderr, flush=True)

@@ -4,7 +4,8 @@
 drafts; the suffix drafter also takes ``-f<max_spec_factor>``, ``-o<max_spec_offset>``,
 ``-p<min_token_prob>``, e.g. ``suffix-tree-f2-p0.05``); ``hvd-<policy>``; ``oracle`` (the live
 oracle, ``oracle.LiveOracle``); ``arctic-suffix`` (``peers.ArcticDrafter``); ``via-lossless`` /
-``via-tiered`` (the model drafter + the slim tier); and ``<method>+slim`` (+ the lossless slim tier).
+``via-tiered`` (the model drafter + the slim tier); ``<method>+slim`` (+ the lossless slim tier) and
+``<method>+noreuse`` (without prefix reuse: a prompt is always prefilled whole).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
     from ..drafters import make_drafter
     from ..drafters.suffix import SuffixConfig, SuffixDrafter
 
-    base, _, slim = name.partition("+")
+    base, *extras = name.split("+")
     model = model.with_own_cache()  # methods side by side must not reuse each other's K/V
     spec = spec_from_args(args, max_batch=1, max_len=max_len)
     drafters, oracle = None, None
@@ -66,8 +67,11 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
                                  tree=True)]
     elif base != "greedy":
         spec = replace(spec, drafter=base)
-    if slim:
-        if slim != "slim":
-            raise ValueError(f"unknown method suffix {slim!r} in {name!r} (only '+slim')")
-        spec = replace(spec, slim=slim_mask(args.slim_mask, model.cfg.n_layers), slim_mode="lossless")
+    for extra in extras:
+        if extra == "slim":
+            spec = replace(spec, slim=slim_mask(args.slim_mask, model.cfg.n_layers), slim_mode="lossless")
+        elif extra == "noreuse":
+            spec = replace(spec, prefix_reuse=False)
+        else:
+            raise ValueError(f"unknown method suffix {extra!r} in {name!r} ('+slim', '+noreuse')")
     return build_engine(spec, model, tok, drafters=drafters, policy=oracle), oracle

@@ -18,13 +18,13 @@ from .peers import VLLM_METHODS, NotRun, VllmRunner
 from .prompts import prompt_ids
 
 
-SPEC_RAW_KEYS = ("tokens", "time", "forwards", "steps", "dec_tokens", "draft_s", "cache_steps")
+SPEC_RAW_KEYS = ("tokens", "time", "forwards", "steps", "dec_tokens", "draft_s", "cache_steps", "prompt", "cached")
 
 
 def spec_table(rows: dict, workloads, methods) -> list[str]:
     """The per-workload rows of one regime (MAT, fwd/1k, tok/s, speedup over greedy, ...)."""
-    lines = ["| workload | method | MAT | fwd/1k | tok/s | speedup | draft share | cache chosen |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| workload | method | MAT | fwd/1k | tok/s | speedup | draft share | cache chosen | prompt reused |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for w in workloads:
         g = rows.get((w, "greedy"))
         if not g:
@@ -36,11 +36,12 @@ def spec_table(rows: dict, workloads, methods) -> list[str]:
                 continue
             tps = r["tokens"] / r["time"]
             if not r["stats"]:  # a peer: tokens and time only
-                lines.append(f"| {w} | {m} | - | - | {tps:.1f} | {tps / g_tps:.2f}x | - | - |")
+                lines.append(f"| {w} | {m} | - | - | {tps:.1f} | {tps / g_tps:.2f}x | - | - | - |")
                 continue
             lines.append(f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
                          f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
-                         f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% |")
+                         f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% | "
+                         f"{100 * r['cached'] / max(r['prompt'], 1):.0f}% |")
     return lines
 
 
@@ -226,7 +227,8 @@ def bench_spec(args) -> str:
         "MAT = mean accepted tokens per target forward (decode steps: accepted draft tokens + 1); "
         "fwd/1k = target forwards (prefill included) per 1,000 generated tokens; speedup = tok/s over "
         "greedy's tok/s on the same prompts in the same run; draft share = drafting time / wall time; "
-        "cache chosen = share of decode steps that verified a suffix-cache draft.",
+        "cache chosen = share of decode steps that verified a suffix-cache draft; prompt reused = share of "
+        "prompt tokens whose K/V was already in the engine's slot (prefix reuse), not prefilled.",
         "",
     ]
     if regimes != ["cold"]:
