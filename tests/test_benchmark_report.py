@@ -163,10 +163,11 @@ def test_spec_on_a_user_prompt_file(tmp_path):
 def test_spec_regimes_and_the_dominance_table(tmp_path):
     """``spec --regimes``: every regime gets its table, the live oracle runs as a method, the P2
     table compares hvd-cost with its own drafters in each regime, and outputs stay greedy's (fp32).
-    The repeat is drafted from the cache: fewer forwards than the cold pass of the same prompt."""
+    The repeat is drafted from the cache: fewer forwards than the cold pass of the same prompt. The
+    agent turn finds its first turn's K/V in the slot (prefix reuse), unlike ``greedy+noreuse``."""
     out = tmp_path / "regimes.md"
     res = _bench("spec", "--workloads", "code", "--prompts", "1", "--max-tokens", "32", "--drafters", "suffix",
-                 "hvd-cost", "oracle", "--regimes", "cold", "warm-repeat", "agent", "warm-history",
+                 "hvd-cost", "oracle", "greedy+noreuse", "--regimes", "cold", "warm-repeat", "agent", "warm-history",
                  "--history-prompts", "1", "--dtype", "float32", "--threads", "1", "--out", str(out), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     md = out.read_text()
@@ -176,11 +177,13 @@ def test_spec_regimes_and_the_dominance_table(tmp_path):
     sections = md.split("## ")
     rows = {s.split("\n")[0]: {ln.split("|")[2].strip(): ln.split("|") for ln in s.splitlines()
                                if ln.startswith("| code |")} for s in sections}
-    assert set(rows["cold"]) == {"greedy", "suffix", "hvd-cost", "oracle"}
+    assert set(rows["cold"]) == {"greedy", "suffix", "hvd-cost", "oracle", "greedy+noreuse"}
     fwd = lambda regime: int(rows[regime]["suffix"][4])  # noqa: E731
     assert fwd("warm-repeat") < fwd("cold")
+    reused = lambda regime, m: int(rows[regime][m][9].strip(" %"))  # noqa: E731
+    assert reused("agent", "greedy") > 50 and reused("agent", "hvd-cost") > 50 and reused("agent", "greedy+noreuse") == 0
     same = md.split("Outputs identical to greedy (fp32): ")[1].split("\n")[0]
-    assert same == "suffix 4/4, hvd-cost 4/4, oracle 4/4", same
+    assert same == "suffix 4/4, hvd-cost 4/4, oracle 4/4, greedy+noreuse 4/4", same
 
 
 @pytest.mark.slow

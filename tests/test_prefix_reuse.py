@@ -64,15 +64,37 @@ def test_agent_turns_and_retries_reuse_their_slot_and_decode_the_same(drafter, t
 @pytest.mark.slow
 def test_engines_sharing_a_model_never_reuse_what_another_overwrote(target, prompts):
     """The record of whose K/V a slot holds lives in the model's cache, so an engine on the same
-    model that overwrote the slot leaves a true record (here: its own prompt) behind."""
+    model that overwrote the slot leaves a true record (its own tokens) behind."""
+    from hvd_ray.engine.engine import MIN_REUSE, common_prefix
+
     model, tok = target
     params = SamplingParams(max_tokens=MAX_NEW)
     a = build_engine(EngineSpec(max_batch=1, max_len=1024), model, tok)
     b = build_engine(EngineSpec(max_batch=1, max_len=1024), model, tok)
-    first = a.generate([prompts[4]], params)[0]
-    b.generate([prompts[8]], params)  # slot 0 now holds another conversation
-    turn = prompts[4] + first.output + _follow_up(tok)
+    p = max(prompts, key=len)
+    first = a.generate([p], params)[0]
+    half = p[: len(p) // 2]
+    assert len(half) >= MIN_REUSE
+    other = b.generate([half], params)[0]  # slot 0 now holds half of that prompt and another answer
+    turn = p + first.output + _follow_up(tok)
     got = a.generate([turn], params)[0]
-    assert 0 < got.stats.cached_tokens < len(prompts[4])  # the chat template's common start only
+    assert got.stats.cached_tokens == common_prefix(half + other.output[:-1], turn, len(turn) - 1) < len(p)
     fresh = build_engine(EngineSpec(max_batch=1, max_len=1024, prefix_reuse=False), model, tok)
     assert got.output == fresh.generate([turn], params)[0].output
+
+
+def test_the_rest_of_a_long_prompt_after_a_kept_prefix_scores_as_a_fresh_prefill(target, prompts):
+    """A long rest (>= PREFIX_SDPA_MIN tokens) attends through SDPA with a lower-right causal mask."""
+    from hvd_ray.model.transformer import PREFIX_SDPA_MIN
+
+    model, _ = target
+    m = model.with_own_cache()
+    m.setup_cache(1, 1024)
+    ids = max(prompts, key=len)
+    assert len(ids) - 40 >= PREFIX_SDPA_MIN
+    fresh = m(torch.tensor([ids]), [0]).logits[0]
+    m.cache.truncate(0, 0)
+    m(torch.tensor([ids[:40]]), [0])
+    rest = m(torch.tensor([ids[40:]]), [0]).logits[0]
+    torch.testing.assert_close(rest, fresh[40:], rtol=1e-4, atol=1e-4)
+    assert torch.equal(rest.argmax(-1), fresh[40:].argmax(-1))

@@ -237,6 +237,12 @@ class Attention(nn.Module):
                                                      is_causal=True, enable_gqa=H != KV)
                 return reduce_shards(linear(out.transpose(1, 2).reshape(B, T, H * D), self.wo), self.tp_group)
             keys, vals = kc[slot : slot + 1, :, : ctx.span], vc[slot : slot + 1, :, : ctx.span]
+            if ctx.prefix_prefill is not None:  # SDPA's fused kernel: attend's [G*T, S] scores would be
+                # materialised per layer (a 900-token rest of a prompt took 1.8x its whole fresh prefill)
+                out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, vals,
+                                                     attn_mask=ctx.prefix_prefill, enable_gqa=H != KV)
+                out = out.transpose(1, 2).reshape(B, T, H * D).to(q.dtype)
+                return reduce_shards(linear(out, self.wo), self.tp_group)
         else:
             idx = (ctx.slot_idx[:, None, :], ctx.head_idx, ctx.write_pos[:, None, :])  # [B, KV, T]
             kc.index_put_(idx, k.transpose(1, 2).to(kc.dtype))
@@ -346,6 +352,11 @@ def slot_runs(slots: Sequence[int], starts: Sequence[int], widths: Sequence[int]
     return [tuple(r) for r in runs]
 
 
+# From this many new tokens on, a single sequence after a prefix in its slot (prefix reuse) attends
+# with SDPA's fused kernel and a mask; shorter chunks (verify drafts) are faster through ``attend``.
+PREFIX_SDPA_MIN = 64
+
+
 @dataclass
 class _StepContext:
     cache: KVCache
@@ -355,6 +366,7 @@ class _StepContext:
     span: int
     contiguous: tuple[int, int] | None
     fresh_prefill: bool = False
+    prefix_prefill: Tensor | None = None  # bool [T, S] lower-right causal: a long chunk after a kept prefix
     runs: list[tuple[int, int, int, int]] = field(default_factory=list)  # slot_runs
     head_idx: Tensor | None = None
     slots_t: Tensor | None = None
@@ -472,8 +484,10 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.rope_cos, self.rope_sin, pos, self.dtype)
 
         contiguous = (slots[0], starts[0]) if B == 1 else None
-        mask = None
-        if attn_mask is not None or T > 1 or B > 1:
+        mask = prefix = None
+        if contiguous is not None and starts[0] > 0 and attn_mask is None and T >= PREFIX_SDPA_MIN:
+            prefix = torch.ones(T, span, dtype=torch.bool, device=dev).tril(starts[0])
+        elif attn_mask is not None or T > 1 or B > 1:
             kpos = torch.arange(span, device=dev)
             rel = kpos[None, :] - start_t[:, None]  # [B, S]: key position relative to the new tokens
             if attn_mask is None:
@@ -485,7 +499,7 @@ class Transformer(nn.Module):
             mask = ((rel < 0)[:, None, :] | (new & (rel < T)[:, None, :])).unsqueeze(1)
             mask = mask_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads)
         fresh = contiguous is not None and starts[0] == 0 and attn_mask is None and T > 1
-        ctx = _StepContext(cache, cos, sin, mask, span, contiguous, fresh)
+        ctx = _StepContext(cache, cos, sin, mask, span, contiguous, fresh, prefix)
         if B > 1 and sum(n_new) < B * T:  # ragged rows: pack the real tokens
             real = torch.arange(T, device=dev)[None, :] < torch.tensor(n_new, device=dev)[:, None]
             ctx.valid, ctx.padded = real.view(-1).nonzero().squeeze(1), (B, T)
