@@ -327,8 +327,13 @@ def test_a_second_turn_reuses_the_first_turns_kv(http):
     reports the rest as cached (OpenAI's prompt_tokens_details; engine outputs: test_prefix_reuse.py)."""
     _wait_idle(http)
     before = http.get("/stats").json()
-    first = _complete(http, prompt="List three uses of a paper clip:", max_tokens=24)
-    turn = "List three uses of a paper clip:" + first["choices"][0]["text"] + "\nNow three more:"
+    # a prompt longer than the engine's MIN_REUSE (32 tokens): re-tokenised with the answer's text, the
+    # answer's tokens may come out differently, but the prompt's stay
+    ask = ("Office supplies: paper clips, staples, pens, pencils, erasers, rulers, scissors, tape, glue sticks, "
+           "sticky notes, folders and binders. List three uses of a paper clip:")
+    first = _complete(http, prompt=ask, max_tokens=24)
+    assert first["usage"]["prompt_tokens"] > 32
+    turn = ask + first["choices"][0]["text"] + "\nNow three more:"
     second = _complete(http, prompt=turn, max_tokens=24)
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     # (at least the first prompt but its last token, which may merge with the answer's first)
