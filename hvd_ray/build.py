@@ -46,12 +46,19 @@ class EngineSpec:
                                           "match; unset: max(num_draft_tokens, 64))")
     max_batch: int = _opt(8, "KV-cache slots = requests decoded together")
     max_len: int = _opt(2048, "context per request (prompt + output), capped by the model's")
+    reuse_slots: int = _opt(0, "with prefix_reuse: KV slots beyond max_batch that only keep finished requests' "
+                            "K/V, so a retry or an agent's next turn finds its prefix after other requests ran "
+                            "(memory: one max_len slot each)")
     prefix_reuse: bool = _opt(True, "a new request whose prompt starts with a finished request's tokens takes its "
                               "KV slot and prefills only the rest (agent turns, retries)",
                               action=argparse.BooleanOptionalAction)
     suffix_history: str | None = _opt(None, "start the suffix drafter's global tree with the train-split outputs "
                                       "of this collect_traces folder (past outputs of the same model)",
                                       metavar="TRACES")
+
+    def slots(self) -> int:
+        """KV slots an engine of this spec holds (the engine's and its drafters' caches)."""
+        return self.max_batch + (self.reuse_slots if self.prefix_reuse else 0)
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser, *, only: Iterable[str] | None = None,
@@ -110,7 +117,7 @@ def build_engine(spec: EngineSpec, model, tokenizer, *, suffix_cache=None, draft
     return Engine(model, drafters=drafters, policy=policy, slim=slim_tier, max_batch=spec.max_batch,
                   max_len=max_len, num_draft_tokens=spec.num_draft_tokens if drafters else 0,
                   cache_draft_tokens=spec.cache_draft_tokens, eos_token_ids=[eos] if eos is not None else [],
-                  detokenize=detokenize, prefix_reuse=spec.prefix_reuse)
+                  detokenize=detokenize, prefix_reuse=spec.prefix_reuse, reuse_slots=spec.reuse_slots)
 
 
 def _drafters(spec: EngineSpec, model, tokenizer, max_len: int, cache) -> tuple[list, Any]:
@@ -122,11 +129,11 @@ def _drafters(spec: EngineSpec, model, tokenizer, max_len: int, cache) -> tuple[
 
         return build_hvd(model, tokenizer, policy=spec.policy, predictor=spec.predictor,
                          model_drafter=spec.model_drafter, eagle3_head=spec.eagle3_head,
-                         draft_model=spec.draft_model, slots=spec.max_batch, max_len=max_len, cache=cache)
+                         draft_model=spec.draft_model, slots=spec.slots(), max_len=max_len, cache=cache)
     if cache is not None:
         if spec.drafter != "suffix":
             raise ValueError(f"a suffix cache goes with drafter suffix or hvd, not {spec.drafter!r}")
         return [cache], None
     drafter = make_drafter(spec.drafter, model, draft_model=spec.draft_model, eagle3_head=spec.eagle3_head,
-                           skip=spec.layerskip, slots=spec.max_batch, max_len=max_len)
+                           skip=spec.layerskip, slots=spec.slots(), max_len=max_len)
     return ([drafter] if drafter else []), None

@@ -51,7 +51,8 @@ def main() -> None:
     ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "batch", "http", "vllm"])
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
-    add_spec_arguments(ap, only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens", "prefix_reuse"),
+    add_spec_arguments(ap, only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens", "prefix_reuse",
+                                 "reuse_slots"),
                        defaults={"num_draft_tokens": 16})  # the options of hvd-* and model-drafter methods
     ap.add_argument("--regimes", nargs="+", default=["cold"], choices=["cold", "warm-repeat", "agent", "warm-history"],
                     help="spec: suffix-history regimes to measure (hvd_ray/bench/regimes.py)")

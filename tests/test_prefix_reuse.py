@@ -23,8 +23,12 @@ def test_the_cache_forgets_what_truncate_and_compact_rewrite(target):
     cache.lengths[0] = 10
     cache.compact(0, 5, [0, 2])
     assert cache.tokens[0] == list(range(5)) and cache.lengths[0] == 7
+    cache.k[0][0, :, :5] = 1.0
+    cache.copy_prefix(0, 1, 4)
+    assert cache.lengths[1] == 4 and cache.tokens[1] == list(range(4)) and cache.tokens[0] == list(range(5))
+    assert bool((cache.k[0][1, :, :4] == 1.0).all())
     cache.truncate(0, 0)
-    assert cache.tokens[0] == [] and cache.tokens[1] == []
+    assert cache.tokens[0] == [] and cache.tokens[1] == list(range(4))
 
 
 def _follow_up(tok) -> list[int]:
@@ -98,3 +102,25 @@ def test_the_rest_of_a_long_prompt_after_a_kept_prefix_scores_as_a_fresh_prefill
     rest = m(torch.tensor([ids[40:]]), [0]).logits[0]
     torch.testing.assert_close(rest, fresh[40:], rtol=1e-4, atol=1e-4)
     assert torch.equal(rest.argmax(-1), fresh[40:].argmax(-1))
+
+
+@pytest.mark.slow
+def test_reuse_slots_keep_a_retry_in_store_while_others_run(target, prompts):
+    """max_batch 1 with 2 reuse slots: three requests one at a time (never two running), then the
+    first again finds its K/V. The third shares the first's system prompt: its rows are copied to
+    another slot rather than the first's record cut."""
+    model, tok = target
+    params = SamplingParams(max_tokens=MAX_NEW)
+    eng = build_engine(EngineSpec(max_batch=1, reuse_slots=2, max_len=1024), model.with_own_cache(), tok)
+    assert eng.slots == 3 and len(eng.free_slots) == 3
+    reqs = [eng.add_request(p, params) for p in (prompts[8], prompts[0], prompts[9])]
+    while eng.has_unfinished():
+        eng.step()
+        assert len(eng.running) <= 1
+    retry = eng.generate([prompts[8]], params)[0]
+    assert retry.stats.cached_tokens == len(prompts[8]) - 1 and retry.output == reqs[0].output
+    alone = build_engine(EngineSpec(max_batch=1, max_len=1024), model.with_own_cache(), tok)
+    for p in (prompts[8], prompts[0], prompts[9]):
+        alone.generate([p], params)
+    # one slot: it holds the last request (the shared function-calling system prompt at most)
+    assert alone.slots == 1 and alone.generate([prompts[8]], params)[0].stats.cached_tokens < len(prompts[8]) // 2

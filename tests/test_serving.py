@@ -403,7 +403,7 @@ def test_96_cancelled_streams_leave_no_state(base_url, http):
         list(pool.map(one, range(96)))
     after = _wait_idle(http, timeout=120)
     assert after["running"] == 0 and after["waiting"] == 0, after
-    assert after["free_slots"] == CONFIG["max_batch"], after
+    assert after["free_slots"] == after["slots"] == CONFIG["max_batch"] + 4, after  # + the default reuse_slots
     assert after["finished"] == before["finished"]  # nothing ran to its end
     assert after["aborted"] > before["aborted"]
     deadline = time.monotonic() + 30  # the replica ships the last `end`s to the actor when idle

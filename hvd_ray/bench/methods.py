@@ -43,7 +43,8 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
                        slim_mode=base[4:])
     elif base == "oracle":
         cache = SuffixDrafter()
-        drafter = make_drafter(args.model_drafter, model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len)
+        drafter = make_drafter(args.model_drafter, model, eagle3_head=args.eagle3_head, slots=spec.slots(),
+                               max_len=max_len)
         drafters, oracle = [cache, drafter], LiveOracle(cache, drafter)
     elif base.startswith("hvd-"):
         spec = replace(spec, drafter="hvd", policy=base[4:])
@@ -63,8 +64,8 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
         spec, drafters = replace(spec, drafter="suffix"), [SuffixDrafter(cfg)]
     elif base.endswith("-tree"):  # tree drafts: a drafter the spec cannot name
         spec = replace(spec, drafter=base[:-5])
-        drafters = [make_drafter(base[:-5], model, eagle3_head=args.eagle3_head, slots=1, max_len=max_len,
-                                 tree=True)]
+        drafters = [make_drafter(base[:-5], model, eagle3_head=args.eagle3_head, slots=spec.slots(),
+                                 max_len=max_len, tree=True)]
     elif base != "greedy":
         spec = replace(spec, drafter=base)
     for extra in extras:

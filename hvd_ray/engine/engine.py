@@ -138,6 +138,7 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         slim: SlimTier | None = None,
         prefix_reuse: bool = True,
+        reuse_slots: int = 0,
     ):
         self.model = model
         self.drafters = list(drafters)
@@ -157,11 +158,15 @@ class Engine:
         self.slim = slim  # VIA-SD slim-verifier tier (verification/tiered.py); None = two tiers
         if slim is not None and max(i for i, _ in slim.mask) >= model.cfg.n_layers:
             raise ValueError(f"slim mask {slim.mask} skips layers a {model.cfg.n_layers}-layer model lacks")
-        if model.cache is None or model.cache.slots < max_batch or model.cache.max_len < max_len:
-            model.setup_cache(max_batch, max_len)
+        if reuse_slots < 0 or max_batch < 1:
+            raise ValueError(f"need max_batch >= 1 and reuse_slots >= 0, got {max_batch} and {reuse_slots}")
+        # slots beyond max_batch only keep finished requests' K/V for prefix reuse (none without it)
+        self.max_batch, self.slots = max_batch, max_batch + (reuse_slots if prefix_reuse else 0)
+        if model.cache is None or model.cache.slots < self.slots or model.cache.max_len < max_len:
+            model.setup_cache(self.slots, max_len)
         self.max_len = model.cache.max_len
-        # max_batch slots, even where a shared model's cache has more: drafters size theirs by max_batch
-        self.free_slots = deque(range(max_batch))
+        # self.slots, even where a shared model's cache has more: drafters size theirs the same way
+        self.free_slots = deque(range(self.slots))
         self.prefix_reuse = prefix_reuse
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -195,10 +200,9 @@ class Engine:
         outputs: list[StepOutput] = []
         self._release(outputs)
         admitted = []
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and len(self.running) + len(admitted) < self.max_batch:
             req = self.waiting.popleft()
             req.slot, reused = self._slot_for(req.prompt)
-            self.model.cache.truncate(req.slot, reused)
             req.stats.cached_tokens = reused
             try:
                 for d in self.drafters:
@@ -221,19 +225,30 @@ class Engine:
         return outputs
 
     def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
-        """A free slot for ``prompt``, and how many of its first tokens' K/V that slot holds: the
-        slot whose recorded tokens share the longest prefix with it (at least ``MIN_REUSE``), else
-        the longest-free one. At least the last prompt token is computed again (its logits give the
-        first output token)."""
+        """A free slot for ``prompt``, holding the K/V of its first ``n`` tokens: (slot, n). The
+        free slot whose recorded tokens share the longest prefix with it (at least ``MIN_REUSE``)
+        is taken when the prompt continues its whole record (an agent's next turn, a retry);
+        when they part earlier, the shared rows are copied into the longest-free slot instead, so
+        the record stays for whoever continues it. Else the longest-free slot, empty. At least the
+        last prompt token is computed again (its logits give the first output token)."""
         cache = self.model.cache
-        best, reused = self.free_slots[0], MIN_REUSE - 1
+        src, reused = None, MIN_REUSE - 1
         if self.prefix_reuse:
             for slot in self.free_slots:
                 n = common_prefix(cache.tokens[slot], prompt, min(cache.lengths[slot], len(prompt) - 1))
                 if n > reused:
-                    best, reused = slot, n
-        self.free_slots.remove(best)
-        return best, reused if reused >= MIN_REUSE else 0
+                    src, reused = slot, n
+        if src is not None and (reused >= len(cache.tokens[src]) - 1 or len(self.free_slots) == 1):
+            self.free_slots.remove(src)
+            cache.truncate(src, reused)
+            return src, reused
+        dst = next(s for s in self.free_slots if s != src)
+        self.free_slots.remove(dst)
+        if src is None:
+            cache.truncate(dst, 0)
+            return dst, 0
+        cache.copy_prefix(src, dst, reused)
+        return dst, reused
 
     def _release(self, outputs: list[StepOutput]) -> None:
         for req in [r for r in self.running if r.finished]:

@@ -317,6 +317,16 @@ class KVCache:
         if len(self.tokens[slot]) > length:
             del self.tokens[slot][length:]
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot ``dst`` becomes the first ``n`` rows of slot ``src`` (and their token record)."""
+        if not 0 <= n <= self.lengths[src]:
+            raise ValueError(f"slot {src} holds {self.lengths[src]} rows, not {n}")
+        for kc, vc in zip(self.k, self.v):
+            kc[dst, :, :n] = kc[src, :, :n]
+            vc[dst, :, :n] = vc[src, :, :n]
+        self.lengths[dst] = n
+        self.tokens[dst] = self.tokens[src][:n]
+
     def compact(self, slot: int, start: int, keep: Sequence[int]) -> None:
         """Move entries at ``start + keep[i]`` to ``start + i`` and set the length to ``start + len(keep)``.
 

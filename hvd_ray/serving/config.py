@@ -40,7 +40,8 @@ VLLM_OWN_ARGS = {"model": "model", "tokenizer": "model", "dtype": "dtype", "max_
 # fields of hvd-ray's own engine, which the vLLM backend cannot honour
 HVD_ONLY = ("drafter", "num_draft_tokens", "cache_draft_tokens", "draft_model", "eagle3_head", "layerskip", "policy",
             "model_drafter", "predictor", "slim", "slim_mode", "suffix_actor", "suffix_actor_mode", "suffix_history",
-            "suffix_actor_name", "tp_ray_actor_options", "prefix_reuse")
+            "suffix_actor_name", "tp_ray_actor_options", "prefix_reuse",
+            "reuse_slots")
 
 
 class ServingConfig(BaseModel):
@@ -84,6 +85,7 @@ class ServingConfig(BaseModel):
                                    "drafts for the whole batch once per step")
     suffix_history: str | None = _spec("suffix_history")
     prefix_reuse: bool = _spec("prefix_reuse")
+    reuse_slots: int = _spec("reuse_slots", 4, ge=0, le=256)
     suffix_actor_name: str = Field("hvd-suffix-drafter", description="name of that actor (one per application)")
 
     # --- engine limits

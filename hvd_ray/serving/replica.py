@@ -133,6 +133,7 @@ class EngineLoop:
     def stats(self) -> dict:
         eng = self.engine
         return {"waiting": len(eng.waiting), "running": len(eng.running), "free_slots": len(eng.free_slots),
+                "slots": eng.slots,
                 "steps": self.steps, "finished": self.finished, "aborted": self.aborted, "failed": self.failed,
                 "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
                 "cache_chosen_rate": self.cache_steps / self.decode_steps if self.decode_steps else 0.0,

@@ -107,7 +107,7 @@ class TPWorker:
             model.pack_weights()
         self.engine = build_engine(spec.engine, model, load_tokenizer(folder))
         return {"max_len": self.engine.max_len, "num_draft_tokens": self.engine.num_draft_tokens,
-                "slots": model.cache.slots, "kv_heads": model.cache.k[0].shape[1], "threads": torch.get_num_threads()}
+                "slots": self.engine.slots, "kv_heads": model.cache.k[0].shape[1], "threads": torch.get_num_threads()}
 
     def step(self, commands: list[tuple]) -> dict | None:
         """Apply the driver's commands in order, then run one engine step (if anything is left).
@@ -211,7 +211,8 @@ class TensorParallelEngine:
         self.model = SimpleNamespace(cfg=cfg, device=parse_device(spec.device))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.free_slots: deque[int] = deque(range(info["slots"]))
+        self.slots: int = info["slots"]  # max_batch + reuse_slots
+        self.free_slots: deque[int] = deque(range(self.slots))
         self._reqs: dict[str, Request] = {}
         self._commands: list[tuple] = []
         self._ids = itertools.count()
