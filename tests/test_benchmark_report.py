@@ -38,7 +38,8 @@ def test_hvd_methods_take_the_jobs_spec_options(monkeypatch):
     monkeypatch.setattr(methods, "build_engine", lambda spec, *a, **kw: built.append(spec))
     args = argparse.Namespace(predictor="/my/predictor", eagle3_head="/my/head", model_drafter="eagle3",
                               num_draft_tokens=12, slim_mask=None)
-    methods.make_method("hvd-tau", None, None, args, 512)
+    model = argparse.Namespace(with_own_cache=lambda: None)  # build_engine is replaced: no weights needed
+    methods.make_method("hvd-tau", model, None, args, 512)
     (spec,) = built
     assert (spec.drafter, spec.policy, spec.predictor, spec.eagle3_head) == ("hvd", "tau", "/my/predictor", "/my/head")
     assert (spec.num_draft_tokens, spec.max_batch, spec.max_len) == (12, 1, 512)
