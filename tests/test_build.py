@@ -60,7 +60,7 @@ def test_serving_config_maps_to_the_spec():
     assert cfg.engine_spec() == EngineSpec(
         drafter="hvd", policy="always-cache", model_drafter="layerskip", predictor="p", draft_model="d",
         layerskip="attn:3", slim="default", slim_mode="tiered", num_draft_tokens=5, cache_draft_tokens=40,
-        max_batch=3, max_len=512, suffix_history="traces")
+        max_batch=3, max_len=512, suffix_history="traces", reuse_slots=4)  # serving keeps 4 slots of K/V
     for cfg in (ServingConfig(), ServingConfig(drafter="eagle3", eagle3_head="h")):  # every field, same name
         spec = cfg.engine_spec()
         for f in dataclasses.fields(EngineSpec):
