@@ -11,7 +11,8 @@ Failure isolation: an exception in one request's own work (a drafter's ``begin``
 request shares, propagates: after it fails the cache's state is unknown, so the caller must stop.
 
 Prefix reuse: a finished request's K/V stays in its slot (``KVCache.tokens`` records whose), and a
-new request whose prompt starts with those tokens takes that slot and prefills only the rest. An
+new request whose prompt starts with those tokens prefills only the rest, in that slot or in a copy
+of the shared rows (``_slot_for``). An
 agent loop re-sends the conversation so far each turn and a retry re-sends the same prompt; both
 would otherwise pay the whole prefill again (vLLM's prefix caching does the same, by block).
 """

@@ -40,8 +40,7 @@ VLLM_OWN_ARGS = {"model": "model", "tokenizer": "model", "dtype": "dtype", "max_
 # fields of hvd-ray's own engine, which the vLLM backend cannot honour
 HVD_ONLY = ("drafter", "num_draft_tokens", "cache_draft_tokens", "draft_model", "eagle3_head", "layerskip", "policy",
             "model_drafter", "predictor", "slim", "slim_mode", "suffix_actor", "suffix_actor_mode", "suffix_history",
-            "suffix_actor_name", "tp_ray_actor_options", "prefix_reuse",
-            "reuse_slots")
+            "suffix_actor_name", "tp_ray_actor_options", "prefix_reuse", "reuse_slots")
 
 
 class ServingConfig(BaseModel):
