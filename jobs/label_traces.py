@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tree", action="store_true", help="suffix tree drafts instead of chains")
     ap.add_argument("--sim-tau", type=float, default=6.0, help="τ of the simulated decoding run")
     ap.add_argument("--sim-predictor", default=None, help="predictor artifact for the simulated run")
+    ap.add_argument("--repeat", action="store_true",
+                    help="also label each trace replayed again right after, its own output in the global tree "
+                         "(regime 'repeat': retries, agent loops re-sending context)")
     ap.add_argument("--chunk", type=int, default=32, help="traces per batch")
     ap.add_argument("--batch-slots", type=int, default=8, help="positions drafted per model forward")
     ap.add_argument("--actors", type=int, default=1)
@@ -70,7 +73,7 @@ def replay_config(a: argparse.Namespace) -> ReplayConfig:
         skip=a.skip, depth=a.depth, min_prob=a.min_prob, draft_model=a.draft_model, eagle3_head=a.eagle3_head,
         eagle3_tree=a.eagle3_tree,
         max_draft=a.max_draft, suffix={"max_cached_requests": a.max_cached, "use_tree_spec": a.tree},
-        sim_tau=a.sim_tau, sim_predictor=a.sim_predictor, batch_slots=a.batch_slots,
+        sim_tau=a.sim_tau, sim_predictor=a.sim_predictor, repeat=a.repeat, batch_slots=a.batch_slots,
         threads=a.threads or max(1, int(a.num_cpus)))
 
 
@@ -99,7 +102,7 @@ def run(a: argparse.Namespace) -> dict:
     )
     ds.write_parquet(str(out))
     elapsed = time.time() - t0
-    table = pq.ParquetDataset(str(out)).read(columns=["seq", "step_start"])
+    table = pq.ParquetDataset(str(out)).read(columns=["seq", "regime"])
     meta = {
         "label_version": LABEL_VERSION,
         "feature_spec": SPEC.to_dict(),
@@ -108,6 +111,7 @@ def run(a: argparse.Namespace) -> dict:
         "traces_dir": traces,
         "rows": table.num_rows,
         "traces": len(set(table.column("seq").to_pylist())),
+        "rows_by_regime": {r: table.column("regime").to_pylist().count(r) for r in ("cold", "agent", "repeat")},
         "elapsed_s": round(elapsed, 2),
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=1))

@@ -32,8 +32,9 @@ from hvd_ray.selection.features import SPEC, FeatureSpec
 from hvd_ray.selection.policy import (AlwaysCache, AlwaysModel, CostPolicy, OraclePolicy, ScoreRule,
                                       TauPolicy)
 from hvd_ray.selection.predictor import YieldPredictor
-from hvd_ray.traces.labels import META_FILE, SPEC_KEY
+from hvd_ray.traces.labels import META_FILE, SPEC_KEY, with_regime
 from hvd_ray.traces.simulate import simulate, trace_labels_from_table
+from hvd_ray.workloads import conversation_id
 
 GRID = [
     {"hidden_layer_sizes": (256, 256), "alpha": 1e-4, "learning_rate_init": 1e-3},
@@ -74,7 +75,7 @@ def load_labels(folders: list[str]) -> tuple[pa.Table, dict]:
         if spec_d is None:
             raise ValueError(f"{f}: no feature spec (neither {META_FILE} nor schema metadata)")
         SPEC.check(FeatureSpec.from_dict(spec_d))
-        tables.append(t.replace_schema_metadata(None))
+        tables.append(with_regime(t.replace_schema_metadata(None)))
         metas.append(meta)
     depths = {m.get("model_depth") for m in metas if "model_depth" in m}
     meta = {"model_depth": int(max(depths)) if depths else 5, "sources": [str(f) for f in folders]}
@@ -104,11 +105,11 @@ def split_traces(table: pa.Table, test_size: float, seed: int) -> dict[str, set[
             return out
     else:
         gss = GroupShuffleSplit(n_splits=1, test_size=test_size, random_state=seed)
-        a, b = next(gss.split(rest, groups=rest))
+        a, b = next(gss.split(rest, groups=[conversation_id(p) for p in rest]))  # a second turn goes with its first
         out["test"] = {rest[i] for i in b}
         rest = [rest[i] for i in a]
     gss = GroupShuffleSplit(n_splits=1, test_size=0.2, random_state=seed + 1)
-    a, b = next(gss.split(rest, groups=rest))
+    a, b = next(gss.split(rest, groups=[conversation_id(p) for p in rest]))
     out["train"], out["validation"] = {rest[i] for i in a}, {rest[i] for i in b}
     return out
 
@@ -257,6 +258,11 @@ def train(a: argparse.Namespace) -> dict:
         # the positions a decoding run actually reaches (the replay's simulated run): what the policy sees
         "test_step_starts": regression_metrics(yte[steps], yhat_te[steps], a.tau),
         "baseline_score_step_starts": regression_metrics(yte[steps], Xte[steps, 0], a.tau),
+        # per regime (``label_traces.py --repeat``): cold histories vs a request repeated
+        "test_step_starts_by_regime": {
+            r: regression_metrics(yte[steps & (reg == r)], yhat_te[steps & (reg == r)], a.tau)
+            for reg in [np.asarray(tte.column("regime").to_pylist()) if len(yte) else np.zeros(0, str)]
+            for r in sorted(set(reg.tolist()))},
         "numpy_vs_sklearn_max_abs_diff": float(np.max(np.abs(yhat_te - sk_te))) if len(yte) else 0.0,
         "latency_single_phi": latency_p50_us(pred, Xte if len(Xte) else Xtr),
         "calibration": calibration(yte, yhat_te) if len(yte) else [],
@@ -276,14 +282,17 @@ def train(a: argparse.Namespace) -> dict:
     report["calibration_png"] = plot_calibration(report["calibration"], out / "calibration.png", a.tau) \
         if report["calibration"] else False
 
-    # offline policy comparison on the test traces (all their positions)
+    # offline policy comparison on the test traces (all their positions), one regime at a time
     test_all = table.filter(pc.is_in(table.column("prompt_id"),
                                              value_set=pa.array(sorted(splits["test"]), pa.string())))
-    labs = trace_labels_from_table(test_all)
     depth = lmeta["model_depth"]
-    pols = {"always-cache": AlwaysCache(), "always-model": AlwaysModel(), f"score>{a.tau:g}": ScoreRule(tau=a.tau),
-            f"tau>{a.tau:g}": TauPolicy(pred, tau=a.tau), "cost": CostPolicy(pred), "oracle": OraclePolicy()}
-    report["policies_test"] = {name: simulate(labs, p, model_depth=depth) for name, p in pols.items()}
+    report["policies_by_regime"] = {}
+    for regime in sorted(set(test_all.column("regime").to_pylist())):
+        labs = trace_labels_from_table(test_all.filter(pc.equal(test_all.column("regime"), regime)))
+        pols = {"always-cache": AlwaysCache(), "always-model": AlwaysModel(), f"score>{a.tau:g}": ScoreRule(tau=a.tau),
+                f"tau>{a.tau:g}": TauPolicy(pred, tau=a.tau), "cost": CostPolicy(pred), "oracle": OraclePolicy()}
+        report["policies_by_regime"][regime] = {name: simulate(labs, p, model_depth=depth) for name, p in pols.items()}
+    report["policies_test"] = report["policies_by_regime"].get("cold", {})
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(render_md(report, a.tau))
     return report
@@ -308,6 +317,14 @@ def render_md(r: dict, tau: float) -> str:
                     ("suffix score, step starts only", r["baseline_score_step_starts"])):
         lines.append(f"| {name} | {_f(m.get('mse'))} | {_f(m.get('mae'))} | {_f(m.get('precision' + k))} | "
                      f"{_f(m.get('recall' + k))} |")
+    by_regime = r.get("test_step_starts_by_regime", {})
+    if len(by_regime) > 1:
+        lines += ["", "Per regime (test, step starts; `agent` = a prompt's second turn, its first answer in the "
+                  "prompt and the global tree; `repeat` = a trace again, its own output in the global tree):", "", "| regime | step starts | y ≥ τ | MSE | precision ŷ≥τ | recall ŷ≥τ |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for g, m in by_regime.items():
+            lines.append(f"| {g} | {m.get('rows', '—')} | {m.get('actual_pos' + k, 0)} | {_f(m.get('mse'))} | "
+                         f"{_f(m.get('precision' + k))} | {_f(m.get('recall' + k))} |")
     lines += ["", "Per workload (test, all positions):", "", "| workload | rows | MSE | precision ŷ≥τ | recall ŷ≥τ |",
               "| --- | --- | --- | --- | --- |"]
     for w, m in r.get("test_per_workload", {}).items():
@@ -328,11 +345,13 @@ def render_md(r: dict, tau: float) -> str:
         lines += ["", "## Permutation importance (test MSE increase)", "", "| feature | ΔMSE | std |", "| --- | --- | --- |"]
         lines += [f"| {p['feature']} | {_f(p['mse_increase'])} | {_f(p['std'])} |" for p in r["permutation_importance"][:15]]
     lines += ["", "## Policies on the test traces (offline replay)", "",
-              "| policy | MAT | forwards / 1k tok | cache share | est. cost / token | est. speed-up |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for name, s in r["policies_test"].items():
-        lines.append(f"| {name} | {_f(s['mean_accepted_per_forward'], 2)} | {_f(s['forwards_per_1k_tokens'], 1)} | "
-                     f"{_f(s['cache_share'], 2)} | {_f(s['cost_per_token'], 3)} | {_f(s['est_speedup_vs_greedy'], 2)} |")
+              "| regime | policy | MAT | forwards / 1k tok | cache share | est. cost / token | est. speed-up |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for g, pols in (r.get("policies_by_regime") or {"cold": r["policies_test"]}).items():
+        for name, s in pols.items():
+            lines.append(f"| {g} | {name} | {_f(s['mean_accepted_per_forward'], 2)} | "
+                         f"{_f(s['forwards_per_1k_tokens'], 1)} | {_f(s['cache_share'], 2)} | "
+                         f"{_f(s['cost_per_token'], 3)} | {_f(s['est_speedup_vs_greedy'], 2)} |")
     lines += ["", "MAT = tokens per decode forward; cost in 1-token target forwards (verify-cost table "
               "1.00/1.20/1.32/1.71 for k = 1/8/16/32, layer-skip drafting 0.86 per draft token).", ""]
     return "\n".join(lines)

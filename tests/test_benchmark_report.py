@@ -43,6 +43,11 @@ def test_hvd_methods_take_the_jobs_spec_options(monkeypatch):
     (spec,) = built
     assert (spec.drafter, spec.policy, spec.predictor, spec.eagle3_head) == ("hvd", "tau", "/my/predictor", "/my/head")
     assert (spec.num_draft_tokens, spec.max_batch, spec.max_len) == (12, 1, 512)
+    # another predictor beside it: an earlier artifact side by side in the same run
+    methods.make_method("hvd-cost+predictor=/old/predictor", model, None, args, 512)
+    assert (built[-1].policy, built[-1].predictor, built[-1].eagle3_head) == ("cost", "/old/predictor", "/my/head")
+    with pytest.raises(ValueError, match="predictor=DIR"):
+        methods.make_method("suffix+predictor=/old/predictor", model, None, args, 512)
 
 
 @pytest.mark.slow

@@ -331,3 +331,17 @@ def test_collect_direct_then_resumed_by_ray_job_submit(tmp_path, default_folder)
     assert s["new"] == 0 and s["skipped_done"] == 6 and "Ray instance" not in out5
     assert sorted(out.glob("part-*.parquet")) == before
     tick("no-op run")
+
+    # 6. agent turns: each traced prompt again as a second turn (its answer, then a follow-up), after the
+    # first turns in arrival order and in the same split; the first turn's prompt is a prefix of it
+    s = _summary(_run([sys.executable, str(JOB), *common, "--limit", "6", "--second-turns"]))
+    assert s["new"] == 6 and s["skipped_done"] == 6
+    rows2 = read_traces(out).to_pylist()
+    assert [r["seq"] for r in rows2] == list(range(12))
+    for r1, r2 in zip(rows2[:6], rows2[6:]):
+        assert r2["prompt_id"] == r1["prompt_id"] + "/again" and r2["split"] == r1["split"] == "test"
+        assert r2["prompt_tokens"][: len(r1["prompt_tokens"])] == r1["prompt_tokens"]
+        text = tok.decode(r2["prompt_tokens"])
+        assert tok.decode(r1["output_tokens"], skip_special_tokens=True).strip() in text
+        assert "whole function again" in text  # the code workload's follow-up
+    tick("second turns")

@@ -248,6 +248,27 @@ def test_labels_schema_and_columns(setup):
     assert {d["split"][i] for i in range(lab.num_rows)} == {"train", "test", "validation"}
 
 
+
+def test_repeat_regime_labels_a_second_pass_and_leaves_the_cold_ones_alone(setup):
+    """--repeat: each trace again, right after, as its own request with its own first answer in the
+    global tree (a retry); the cold rows, and so every later trace's history, stay what they were."""
+    s = setup
+    cold = tiny_labels()
+    both = label_traces_local(str(s["traces"]), replay_config(s, repeat=True))
+    d = both.to_pydict()
+    reg = np.asarray(d["regime"])
+    assert set(reg) == {"cold", "repeat"} and (reg == "repeat").sum() == (reg == "cold").sum() == cold.num_rows
+    keep = [c for c in cold.column_names]
+    assert both.filter(pa.compute.equal(both.column("regime"), "cold")).select(keep).equals(cold.select(keep))
+    rep = both.filter(pa.compute.equal(both.column("regime"), "repeat")).to_pydict()
+    # the global tree's copy of the first answer drafts, and its drafts are mostly taken whole (the tiny
+    # model's outputs loop, so a context can continue in more than one way); cold: 27% global, y 4.7
+    n = len(rep["y_cache"])
+    assert sum(src == "suffix-global" for src in rep["cache_source"]) >= 0.9 * n
+    assert sum(y == L for y, L in zip(rep["y_cache"], rep["cache_len"])) >= 0.75 * n
+    assert sum(rep["y_cache"]) > 1.5 * sum(cold.column("y_cache").to_pylist())
+    assert rep["y_model"] == cold.column("y_model").to_pylist()  # teacher-forced: the same drafts
+
 class LoggingPolicy(ScoreRule):
     """ScoreRule that records the φ it computed online at every step."""
 

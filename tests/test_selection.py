@@ -24,7 +24,8 @@ from hvd_ray.selection.policy import (CACHE, MODEL, NONE, AlwaysCache, AlwaysMod
 from hvd_ray.selection.predictor import YieldPredictor
 from hvd_ray.traces.labels import META_FILE
 from hvd_ray.traces.simulate import simulate, simulate_trace, trace_labels_from_table
-from test_label_traces import DEPTH, MAX_NEW, MIN_PROB, SKIP, tiny_labels, tiny_setup
+from hvd_ray.traces.replay import label_traces_local
+from test_label_traces import DEPTH, MAX_NEW, MIN_PROB, SKIP, replay_config, tiny_labels, tiny_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,9 +196,11 @@ def test_offline_simulation_on_labels():
 
 
 def write_labels(tmp_path: Path) -> Path:
+    """The tiny traces' labels, cold and repeated (``label_traces.py --repeat``)."""
+    s = tiny_setup()
     folder = tmp_path / "labels"
     folder.mkdir()
-    pq.write_table(tiny_labels(), folder / "part-0.parquet")
+    pq.write_table(label_traces_local(str(s["traces"]), replay_config(s, repeat=True)), folder / "part-0.parquet")
     (folder / META_FILE).write_text(json.dumps({"feature_spec": SPEC.to_dict(), "model_depth": DEPTH}))
     return folder
 
@@ -222,6 +225,19 @@ def test_train_predictor_job(tmp_path):
     assert report["test"]["rows"] == report["trainable_rows"]["test"] > 0
     assert report["latency_single_phi"]["p50_us"] < 1000
     assert set(report["policies_test"]) >= {"always-cache", "always-model", "oracle", "cost", "tau>6"}
+    # per regime: the repeated traces' step starts are reported apart, and their policies replayed apart
+    by = report["test_step_starts_by_regime"]
+    assert set(by) == {"cold", "repeat"} and by["repeat"]["rows"] > 0 and by["cold"]["rows"] > 0
+    assert report["policies_by_regime"]["cold"] == report["policies_test"]
+    rep = report["policies_by_regime"]["repeat"]
+    assert rep["always-cache"]["mean_accepted_per_forward"] > report["policies_test"]["always-cache"]["mean_accepted_per_forward"]
+    assert "| repeat | always-cache |" in (out / "report.md").read_text()
+    v1 = tmp_path / "labels-v1"  # a label folder from before the regime column reads as cold
+    v1.mkdir()
+    pq.write_table(tiny_labels().drop_columns(["regime"]), v1 / "part-0.parquet")
+    (v1 / META_FILE).write_text(json.dumps({"feature_spec": SPEC.to_dict(), "model_depth": DEPTH}))
+    table, _ = train_predictor.load_labels([str(v1)])
+    assert set(table.column("regime").to_pylist()) == {"cold"} and table.num_rows == tiny_labels().num_rows
     assert pred.meta["model_depth"] == DEPTH and pred.meta["positions"] == "all"
     assert "Policies on the test traces" in (out / "report.md").read_text()
     assert isinstance(pred.predict(np.zeros(len(SPEC), np.float32)), float)

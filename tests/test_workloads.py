@@ -21,6 +21,7 @@ from hvd_ray.workloads import (  # noqa: E402
     WORKLOADS,
     DatasetNotInstalledError,
     Prompt,
+    conversation_id,
     load_bfcl,
     load_bfcl_chat,
     load_bfcl_multi_turn,
@@ -190,6 +191,9 @@ def test_split_of_is_stable():
     assert split_of("humaneval/HumanEval/1") == "validation"
     assert split_of("humaneval/HumanEval/3") == "test"
     assert split_of("mtbench/81/turn1") == split_of("mtbench/81/turn2") == split_of("mtbench/81")
+    for pid in ("humaneval/HumanEval/1", "mtbench/81/turn1"):  # a second turn goes with its first
+        assert split_of(pid + "/again") == split_of(pid) and conversation_id(pid + "/again") == conversation_id(pid)
+    assert conversation_id("mtbench/81/turn1/again") == "mtbench/81"
     assert split_of("x", fractions=(0.0, 0.0, 1.0)) == "test"
     with pytest.raises(ValueError):
         split_of("x", fractions=(0.5, 0.5, 0.5))

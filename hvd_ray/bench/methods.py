@@ -5,7 +5,8 @@ drafts; the suffix drafter also takes ``-f<max_spec_factor>``, ``-o<max_spec_off
 ``-p<min_token_prob>``, e.g. ``suffix-tree-f2-p0.05``); ``hvd-<policy>``; ``oracle`` (the live
 oracle, ``oracle.LiveOracle``); ``arctic-suffix`` (``peers.ArcticDrafter``); ``via-lossless`` /
 ``via-tiered`` (the model drafter + the slim tier); ``<method>+slim`` (+ the lossless slim tier) and
-``<method>+noreuse`` (without prefix reuse: a prompt is always prefilled whole).
+``<method>+noreuse`` (without prefix reuse: a prompt is always prefilled whole); ``hvd-<policy>+predictor=DIR``
+(another yield predictor artifact than ``--predictor``'s, e.g. an earlier one side by side).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
             spec = replace(spec, slim=slim_mask(args.slim_mask, model.cfg.n_layers), slim_mode="lossless")
         elif extra == "noreuse":
             spec = replace(spec, prefix_reuse=False)
+        elif extra.startswith("predictor=") and base.startswith("hvd-"):
+            spec = replace(spec, predictor=extra.split("=", 1)[1])
         else:
-            raise ValueError(f"unknown method suffix {extra!r} in {name!r} ('+slim', '+noreuse')")
+            raise ValueError(f"unknown method suffix {extra!r} in {name!r} ('+slim', '+noreuse', "
+                             "'+predictor=DIR' for hvd-*)")
     return build_engine(spec, model, tok, drafters=drafters, policy=oracle), oracle

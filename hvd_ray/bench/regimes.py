@@ -14,25 +14,14 @@
 from __future__ import annotations
 
 from ..workloads import Prompt, render
+from ..workloads.turns import second_turn
 
 REGIMES = ("cold", "warm-repeat", "agent", "warm-history")
-
-# the follow-up user turn of the agent regime, per workload: each asks for the answer again, revised
-FOLLOW_UPS = {
-    "function_calling": "The call returned an error: the service timed out. Make the same call again.",
-    "code": "Add a docstring and type hints, then give the whole function again.",
-    "code_edit": "Also add a short comment above each changed line, and show the whole code again.",
-    "chat": "Please give your answer again, improved and a little shorter.",
-}
-DEFAULT_FOLLOW_UP = "Please answer again, improved."
 
 
 def agent_turn(prompt: Prompt, answer: str, tokenizer) -> list[int]:
     """Token ids of the second turn: ``prompt``'s messages, ``answer`` as the assistant, a follow-up."""
-    follow = FOLLOW_UPS.get(prompt.workload, DEFAULT_FOLLOW_UP)
-    turn = Prompt(f"{prompt.id}/agent", prompt.workload,
-                  [*prompt.messages, {"role": "assistant", "content": answer}, {"role": "user", "content": follow}])
-    return tokenizer(render(turn, tokenizer), add_special_tokens=False)["input_ids"]
+    return tokenizer(render(second_turn(prompt, answer), tokenizer), add_special_tokens=False)["input_ids"]
 
 
-__all__ = ["DEFAULT_FOLLOW_UP", "FOLLOW_UPS", "REGIMES", "agent_turn"]
+__all__ = ["REGIMES", "agent_turn"]

@@ -14,14 +14,19 @@ Row (prompt_id, t) describes the decoding step that would start when the request
 * ``remaining``: ``len(output) - t``; labels are cut at the trace's end (a draft can match at most
   ``remaining`` tokens; at a ``stop`` finish the EOS token itself is not in the trace);
 * ``step_start``: whether t is where a step starts in the simulated decoding run that supplies the
-  history features; ``sim_cache``: at step starts, whether that run verified the cache draft.
+  history features; ``sim_cache``: at step starts, whether that run verified the cache draft;
+* ``regime``: ``cold`` (the global tree holds the earlier traces' outputs), ``agent`` (the same for
+  a prompt's second turn, ``<id>/again`` from ``collect_traces.py --second-turns``: its prompt holds
+  the first answer, which the global tree holds too) or ``repeat`` (the trace replayed again right
+  after, its own output now in the global tree: a retry; ``label_traces.py --repeat``). Label
+  folders written before the column existed read as all ``cold``.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-LABEL_VERSION = 1
+LABEL_VERSION = 2  # 2: the regime column
 SPEC_KEY = b"hvd_ray.feature_spec"
 META_FILE = "_labels_meta.json"  # the leading "_" keeps parquet readers from treating it as data
 
@@ -43,6 +48,7 @@ LABEL_SCHEMA = pa.schema(
         pa.field("y_cache", pa.int32(), nullable=False),
         pa.field("model_len", pa.int32(), nullable=False),
         pa.field("y_model", pa.int32(), nullable=False),
+        pa.field("regime", pa.string(), nullable=False),
     ]
 )
 
@@ -50,3 +56,10 @@ LABEL_SCHEMA = pa.schema(
 def label_schema(spec_json: str) -> pa.Schema:
     """:data:`LABEL_SCHEMA` with the feature spec attached as metadata."""
     return LABEL_SCHEMA.with_metadata({SPEC_KEY: spec_json.encode()})
+
+
+def with_regime(table: pa.Table) -> pa.Table:
+    """``table`` with a ``regime`` column (all ``cold`` where a version-1 label folder has none)."""
+    if "regime" in table.column_names:
+        return table
+    return table.append_column("regime", pa.array(["cold"] * table.num_rows, pa.string()))

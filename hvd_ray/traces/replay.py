@@ -62,6 +62,7 @@ from ..model.transformer import KVCache
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
 from ..selection.features import SPEC, VocabFlags, features
 from ..selection.policy import CACHE, MODEL, Policy, ScoreRule, StepView
+from ..workloads.turns import is_second_turn
 from .labels import label_schema
 
 TRACE_COLUMNS = ("prompt_id", "workload", "split", "seq", "prompt_tokens", "output_tokens",
@@ -272,11 +273,12 @@ def model_drafter_labels(drafter, prompt: Sequence[int], output: Sequence[int], 
 # one trace
 def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max_draft: int,
                  y_model: np.ndarray | None = None, model_len: np.ndarray | None = None,
-                 model_depth: int = 0, sim: Policy | None = None, drafts: dict | None = None) -> dict[str, list]:
+                 model_depth: int = 0, sim: Policy | None = None, drafts: dict | None = None,
+                 regime: str = "cold", rid: str | None = None) -> dict[str, list]:
     """Label every position of ``trace`` with the cache drafter in its serving state (the
     drafter's global tree must already hold the earlier traces; the trace goes through
-    begin/accept/end). Returns ``LABEL_SCHEMA`` columns. ``drafts``, if given, collects the
-    cache draft at each t (tests)."""
+    begin/accept/end as request ``rid``, default ``trace.rid``). Returns ``LABEL_SCHEMA`` columns,
+    ``regime`` filled in. ``drafts``, if given, collects the cache draft at each t (tests)."""
     P, O = trace.prompt, trace.output
     N = len(O)
     if y_model is None:
@@ -287,7 +289,7 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
     cols: dict[str, list] = {k: [] for k in ("t", "remaining", "budget", "step_start", "sim_cache", "phi",
                                              "cache_len", "cache_score", "cache_source", "y_cache",
                                              "model_len", "y_model")}
-    rid = trace.rid
+    rid = rid or trace.rid
     drafter.begin(rid, P)
     if N:
         drafter.accept(rid, O[:1])
@@ -321,7 +323,7 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
     drafter.end(rid)
     n = len(cols["t"])
     cols.update(prompt_id=[trace.prompt_id] * n, workload=[trace.workload] * n, split=[trace.split] * n,
-                seq=[trace.seq] * n)
+                seq=[trace.seq] * n, regime=[regime] * n)
     return cols
 
 
@@ -358,6 +360,7 @@ class ReplayConfig:
     suffix: dict = field(default_factory=dict)  # SuffixConfig overrides
     sim_tau: float = 6.0
     sim_predictor: str | None = None
+    repeat: bool = False  # also label each trace replayed again with its own output in the global tree
     batch_slots: int = 8
     threads: int = 1
 
@@ -470,8 +473,20 @@ class TraceLabeler:
         t0 = time.perf_counter()
         drafter = self.global_replay.drafter_before(trace.seq)
         cols = replay_trace(trace, drafter, self.flags, max_draft=self.cfg.max_draft, y_model=ym, model_len=ml,
-                            model_depth=self.model_depth, sim=self.sim, drafts=drafts)
+                            model_depth=self.model_depth, sim=self.sim, drafts=drafts,
+                            regime="agent" if is_second_turn(trace.prompt_id) else "cold")
         self.global_replay.done(trace.seq)
+        if self.cfg.repeat:  # the same request again (a retry, an agent re-sending context), as its own
+            # request: its first answer stays in the global tree; the copy leaves again, so later traces
+            # see the same history as without --repeat
+            rid = f"{trace.rid}/repeat"
+            again = replay_trace(trace, drafter, self.flags, max_draft=self.cfg.max_draft, y_model=ym,
+                                 model_len=ml, model_depth=self.model_depth, sim=self.sim,
+                                 regime="repeat", rid=rid)
+            if rid in drafter.cached_requests:
+                drafter.evict(rid)
+            for k, v in again.items():
+                cols[k].extend(v)
         self.stats["cache_s"] += time.perf_counter() - t0
         self.stats["traces"] += 1
         self.stats["positions"] += len(cols["t"])

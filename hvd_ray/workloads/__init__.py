@@ -14,7 +14,7 @@ from .datasets import (
     load_mtbench,
     load_workload,
 )
-from .prompts import SPLITS, WORKLOADS, Prompt, render, split_of
+from .prompts import SPLITS, WORKLOADS, Prompt, conversation_id, render, split_of
 from .user_prompts import load_user_prompts
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "DatasetNotInstalledError",
     "Prompt",
     "TRAINING_POOLS",
+    "conversation_id",
     "load_bfcl",
     "load_bfcl_chat",
     "load_bfcl_multi_turn",

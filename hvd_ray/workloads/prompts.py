@@ -24,7 +24,7 @@ ROLES = ("system", "user", "assistant")
 
 # Turns of one conversation share a split (no train/test leakage between MT-Bench turn 1 and 2), and
 # so does a question asked as chat (``bfcl/<category>/<id>/chat``) with its function-calling original.
-_VARIANT_SUFFIX = re.compile(r"/(turn\d+|chat)$")
+_VARIANT_SUFFIX = re.compile(r"(/(turn\d+|chat|again))+$")  # all of them: "<id>/turn1/again"
 
 
 @dataclass
@@ -90,16 +90,23 @@ def check_messages(messages: Any, where: str) -> None:
         raise ValueError(f"{where}: the last message must be a user turn, got {messages[-1]['role']!r}")
 
 
+def conversation_id(prompt_id: str) -> str:
+    """``prompt_id`` without its trailing ``/turn<N>``, ``/chat`` and ``/again`` parts: the id its
+    variants share (``mtbench/81/turn1/again``: ``mtbench/81``)."""
+    return _VARIANT_SUFFIX.sub("", prompt_id)
+
+
 def split_of(prompt_id: str, fractions: tuple[float, float, float] = DEFAULT_FRACTIONS) -> str:
     """Deterministic ``"train" | "validation" | "test"`` for a prompt id.
 
-    A trailing ``/turn<N>`` or ``/chat`` is dropped before hashing, so all turns of one conversation
-    share a split, and a BFCL question asked as chat shares its function-calling prompt's split.
+    A trailing ``/turn<N>``, ``/chat`` or ``/again`` is dropped before hashing, so all turns of one
+    conversation share a split (``/again``: a prompt's second turn, ``workloads/turns.py``), and a
+    BFCL question asked as chat shares its function-calling prompt's split.
     The first 8 bytes of SHA-256 give a uniform number in [0, 1), cut at ``fractions``.
     """
     if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-9:
         raise ValueError(f"fractions must be three non-negative numbers summing to 1, got {fractions}")
-    key = _VARIANT_SUFFIX.sub("", prompt_id)
+    key = conversation_id(prompt_id)
     u = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2.0**64
     if u < fractions[0]:
         return "train"
