@@ -48,6 +48,11 @@ def test_hvd_methods_take_the_jobs_spec_options(monkeypatch):
     assert (built[-1].policy, built[-1].predictor, built[-1].eagle3_head) == ("cost", "/old/predictor", "/my/head")
     with pytest.raises(ValueError, match="predictor=DIR"):
         methods.make_method("suffix+predictor=/old/predictor", model, None, args, 512)
+    from hvd_ray.bench.batch import method_spec  # the batch benchmark names them alike
+
+    spec = method_spec("hvd-cost+predictor=/old/predictor", args, 8, 512)
+    assert (spec.policy, spec.predictor, spec.max_batch) == ("cost", "/old/predictor", 8)
+    assert method_spec("hvd-tau", args, 8, 512).predictor == "/my/predictor"
 
 
 @pytest.mark.slow

@@ -15,11 +15,13 @@ from .prompts import prompt_ids
 
 
 def method_spec(name: str, args, concurrency: int, max_len: int):
-    """``greedy``, ``hvd-<policy>`` or a drafter name, as an engine spec with ``concurrency`` slots."""
+    """``greedy``, ``hvd-<policy>`` (``+predictor=DIR``: another predictor artifact, as in spec
+    mode) or a drafter name, as an engine spec with ``concurrency`` slots."""
     if name == "greedy":
         extra = {"drafter": "none"}
     elif name.startswith("hvd-"):
-        extra = {"drafter": "hvd", "policy": name[4:]}
+        policy, _, predictor = name[4:].partition("+predictor=")
+        extra = {"drafter": "hvd", "policy": policy, **({"predictor": predictor} if predictor else {})}
     else:
         extra = {"drafter": name}
     return spec_from_args(args, max_batch=concurrency, max_len=max_len, **extra)
