@@ -320,8 +320,8 @@ def render_md(r: dict, tau: float) -> str:
     by_regime = r.get("test_step_starts_by_regime", {})
     if len(by_regime) > 1:
         lines += ["", "Per regime (test, step starts; `agent` = a prompt's second turn, its first answer in the "
-                  "prompt and the global tree; `repeat` = a trace again, its own output in the global tree):", "", "| regime | step starts | y ≥ τ | MSE | precision ŷ≥τ | recall ŷ≥τ |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "prompt and the global tree; `repeat` = a trace again, its own output in the global tree):", "",
+                  "| regime | step starts | y ≥ τ | MSE | precision ŷ≥τ | recall ŷ≥τ |", "| --- | --- | --- | --- | --- | --- |"]
         for g, m in by_regime.items():
             lines.append(f"| {g} | {m.get('rows', '—')} | {m.get('actual_pos' + k, 0)} | {_f(m.get('mse'))} | "
                          f"{_f(m.get('precision' + k))} | {_f(m.get('recall' + k))} |")

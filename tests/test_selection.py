@@ -229,8 +229,8 @@ def test_train_predictor_job(tmp_path):
     by = report["test_step_starts_by_regime"]
     assert set(by) == {"cold", "repeat"} and by["repeat"]["rows"] > 0 and by["cold"]["rows"] > 0
     assert report["policies_by_regime"]["cold"] == report["policies_test"]
-    rep = report["policies_by_regime"]["repeat"]
-    assert rep["always-cache"]["mean_accepted_per_forward"] > report["policies_test"]["always-cache"]["mean_accepted_per_forward"]
+    rep, cold = report["policies_by_regime"]["repeat"], report["policies_test"]
+    assert rep["always-cache"]["mean_accepted_per_forward"] > cold["always-cache"]["mean_accepted_per_forward"]
     assert "| repeat | always-cache |" in (out / "report.md").read_text()
     v1 = tmp_path / "labels-v1"  # a label folder from before the regime column reads as cold
     v1.mkdir()
