@@ -49,15 +49,23 @@ def test_a_batch_s_rows_cost_what_the_engine_s_steps_measured():
     batch, which made every extra verified token look twice as dear as it is)."""
     costs = StepCosts({1: 1.0, 8: 1.2, 16: 2.0}, forward_s=0.01)
     assert costs.batch(8, 8) == costs(8)  # nothing learned yet
+    costs.observe(8, 8, 0.01 * (1.2 + 7 * 0.5))  # a batch size's first forward sets its row cost
+    assert costs.row_at(8) == pytest.approx(0.5)
     for _ in range(300):
         costs.observe(8, 8, 0.01 * (1.2 + 7 * 0.3))
-    assert costs.row == pytest.approx(0.3, rel=1e-3)
+    assert costs.row_at(8) == pytest.approx(0.3, rel=1e-3)
     assert costs.batch(8, 9) == pytest.approx(costs(9) + 2.1) and costs.per_row(2, 8) == pytest.approx((costs(9) + 2.1) / 8)
     costs.observe(1, 1, 1.0)  # a lone row says nothing about rows
-    assert costs.row == pytest.approx(0.3, rel=1e-3)
+    assert costs.row_at(8) == pytest.approx(0.3, rel=1e-3)
+    # each batch size has its own (here ~0 per row at 2, ~0.14 at 8): one average priced batch 8 low
+    costs.observe(2, 2, 0.01 * costs(2))
+    assert costs.row_at(2) == 0.0 and costs.row_at(8) == pytest.approx(0.3, rel=1e-3)
+    assert costs.row_at(3) == 0.0 and costs.row_at(6) == pytest.approx(0.3, rel=1e-3)  # the nearest measured
+    assert costs.row_at(5) == pytest.approx(0.3, rel=1e-3)  # (a tie goes to the larger batch)
     static = StepCosts({1: 1.0, 8: 1.2})  # a static table has no time unit to learn in
     static.observe(8, 8, 1.0)
-    assert static.row == 0.0
+    assert static.row_at(8) == 0.0 and not static.rows
+    assert StepCosts({1: 1.0, 8: 1.2}, row=0.2).batch(8, 8) == pytest.approx(1.2 + 1.4)  # a prior for every size
     # a dearer base step makes an extra verified token relatively cheaper: a 0.3-token gain now pays
     doubtful = [[0.0]] * 7 + [[0.0, 0.3]]
     assert batch_lengths([0] * 7 + [1], doubtful, StepCosts({1: 1.0, 8: 1.2, 16: 2.0})) == [0] * 8
@@ -154,42 +162,57 @@ def test_the_suffix_cache_drafts_past_the_model_budget_losslessly(default_folder
 
 def test_one_slow_drafted_step_does_not_turn_a_batch_plain():
     """A drafted step that also catches EAGLE-3 up on a new prompt takes several plain steps' time
-    once: the arms average their steps' own rates, so that one step does not outweigh the rest, and
-    plain must measure ``margin`` faster before it is preferred."""
-    from hvd_ray.engine.costs import SpeculationCheck
+    once: it counts for at most ``outlier`` average steps, so that one step does not outweigh the
+    rest, and plain must measure ``margin`` faster before it is preferred."""
+    from hvd_ray.engine.costs import CACHE, PLAIN, SpeculationCheck
 
     check = SpeculationCheck()
     for i in range(40):  # drafted: 12 tokens in 0.15 s (80 tok/s); plain: 8 in 0.15 s (53 tok/s)
-        check.record(8, True, 12, 0.15)
+        check.record(8, CACHE, 12, 0.15)
         if i % 4 == 0:
-            check.record(8, False, 8, 0.15)
-    check.record(8, True, 8, 0.9)  # the catch-up step: 8.9 tok/s
-    assert not check.prefers_plain(8)  # (tokens over seconds of the EMAs: 51.6 tok/s, below plain)
-    check.arms[(8, False)][0] = 1.05 * check.rate(8, True)  # within the margin: drafts kept
-    assert not check.prefers_plain(8)
-    check.arms[(8, False)][0] = 1.2 * check.rate(8, True)
-    assert check.prefers_plain(8)
+            check.record(8, PLAIN, 8, 0.15)
+    check.record(8, CACHE, 8, 0.9)  # the catch-up step: 8.9 tok/s, counted as 0.45 s
+    assert check.rate(8, CACHE) == pytest.approx((0.9 * 12 + 0.1 * 8) / (0.9 * 0.15 + 0.1 * 0.45))
+    assert check.preferred(8) == CACHE
+    check.arms[(8, PLAIN)][0] = 1.05 * check.rate(8, CACHE) * check.arms[(8, PLAIN)][1]  # within the margin
+    assert check.preferred(8) == CACHE
+    check.arms[(8, PLAIN)][0] = 1.2 * check.rate(8, CACHE) * check.arms[(8, PLAIN)][1]
+    assert check.preferred(8) == PLAIN
 
 
-def test_batches_decode_plainly_where_drafted_steps_measure_slower():
-    from hvd_ray.engine.costs import SpeculationCheck
+def test_a_batch_drafts_the_way_that_measures_fastest():
+    """Per batch size, the three arms (the cache drafter's own drafts, the policy's choices, none)
+    are measured and the fastest taken; the others are retried on a schedule so a change of load
+    or prompts is seen; a lone request is always the policy's."""
+    from hvd_ray.engine.costs import CACHE, PLAIN, POLICY, SpeculationCheck
 
-    check = SpeculationCheck(explore_plain=64, explore_drafts=8, min_steps=3)
-    assert not any(check.plain(1) for _ in range(100))  # a lone request is the policy's to decide
-    # batch 8: drafted steps emit 12 tokens in 0.30 s, plain ones 8 tokens in 0.15 s
-    arms = []
+    with pytest.raises(ValueError, match="a drafted one first"):
+        SpeculationCheck(arms=(PLAIN, CACHE))
+    check = SpeculationCheck(explore_plain=64, explore_drafts=16, min_steps=3)
+    assert all(check.arm(1) == POLICY for _ in range(100))
+    speed = {CACHE: (10, 0.1), POLICY: (12, 0.2), PLAIN: (8, 0.15)}  # tokens, seconds of one step
+    picked = []
+    for _ in range(300):
+        arm = check.arm(8)
+        picked.append(arm)
+        check.record(8, arm, *speed[arm])
+    assert check.preferred(8) == CACHE and check.rate(8, POLICY) == pytest.approx(60.0)
+    late = picked[100:]
+    assert late.count(POLICY) == 9 and late.count(PLAIN) == 3  # every 16th step (plain's 64th first)
+    # the policy's drafts start to pay (a warm cache it rates well): it must beat the cache by ``switch``
+    speed[POLICY] = (10.4, 0.1)  # 4 % faster: not enough
     for _ in range(200):
-        plain = check.plain(8)
-        arms.append(plain)
-        check.record(8, not plain, 8 if plain else 12, 0.15 if plain else 0.30)
-    assert check.prefers_plain(8) and check.rate(8, False) == pytest.approx(8 / 0.15)
-    late = arms[100:]
-    assert 0 < late.count(False) <= len(late) // 8 + 1  # drafts still retried, every 8th step
-    # the cache warms: drafted steps now emit 40 tokens in 0.30 s, and win back the batch
-    for _ in range(100):
-        plain = check.plain(8)
-        check.record(8, not plain, 8 if plain else 40, 0.15 if plain else 0.30)
-    assert not check.prefers_plain(8)
-    late = [check.plain(8) for _ in range(128)]
-    assert late.count(True) == 2  # plain steps re-measured every 64th step only
-    assert not check.prefers_plain(4) and check.rate(4, True) is None  # batch sizes are kept apart
+        arm = check.arm(8)
+        check.record(8, arm, *speed[arm])
+    assert check.preferred(8) == CACHE
+    speed[POLICY] = (14, 0.1)
+    picked = []
+    for _ in range(300):
+        arm = check.arm(8)
+        picked.append(arm)
+        check.record(8, arm, *speed[arm])
+    assert check.preferred(8) == POLICY and picked[-100:].count(POLICY) > 85
+    assert check.preferred(4) == CACHE and check.rate(4, CACHE) is None  # batch sizes are kept apart
+    # without a cache drafter: the policy's choices or none
+    two = SpeculationCheck(arms=(POLICY, PLAIN))
+    assert {two.arm(8) for _ in range(64)} == {POLICY, PLAIN}

@@ -266,9 +266,13 @@ def test_policies_drive_the_engine_losslessly(which):
     assert [r.output for r in reqs] == s["outputs"]
     sources = {st.source for r in reqs for st in r.stats.steps}
     assert "layerskip" in sources and sources & {"suffix-request", "suffix-global"}
-    # every step the policy decided records ŷ (SpeculationCheck may decode a batch step plainly)
-    assert all(st.predicted is not None for r in reqs for st in r.stats.steps if not st.plain)
+    # every step the policy decided records ŷ (SpeculationCheck may decode a batch step plainly, or
+    # with the cache drafter's own drafts)
+    assert all(st.predicted is not None for r in reqs for st in r.stats.steps if st.arm in (None, "policy"))
     assert all(st.source == "none" for r in reqs for st in r.stats.steps if st.plain)
+    assert all(st.source != "layerskip" for r in reqs for st in r.stats.steps if st.arm == "cache")
+    if which == "cost":  # batch steps measured every arm (costs.SpeculationCheck), all lossless above
+        assert {st.arm for r in reqs for st in r.stats.steps} >= {"cache", "policy"}
     if which == "tau":  # ŷ (= the suffix score here) decided each step: cache above τ, model at or below
         steps = [st for r in reqs for st in r.stats.steps]
         assert all(st.predicted > 1.0 for st in steps if st.source.startswith("suffix"))

@@ -43,11 +43,14 @@ def interpolate(table: dict[int, float], k: float) -> float:
 class StepCosts:
     """Relative forward cost by total new tokens (``table``) and the 1-token forward in seconds.
 
-    ``row`` is what each further row of a batch adds besides its tokens (its own attention over its
-    own context, its share of the step's bookkeeping), learned from the engine's own batched steps
-    (``observe``): the table, timed on one short sequence, prices a plain 8-row step at ~1.3
-    one-token forwards where it takes ~3 on this CPU, and so rated every extra verified token at
-    twice its real share of a step."""
+    ``rows[B]`` is what each further row of a ``B``-row batch adds besides its tokens (its attention
+    over its own context, its K/V reads, its share of the step's bookkeeping), learned per batch size
+    from the engine's own batched steps (``observe``): the table, timed on one short sequence, prices
+    a plain 8-row step at ~1.4 one-token forwards where it takes ~2.4 on this CPU, and so rated every
+    extra verified token at nearly twice its real share of a step. It is learned per batch size
+    because it grows with it (here ~0 per row at 2 rows, ~0.14 at 8): one average over all sizes,
+    pulled down by the small batches of a draining queue, priced batch 8 at 1.46. A batch size not
+    measured yet takes the nearest measured one's, else ``row`` (a prior, 0 by default)."""
 
     table: dict[int, float]
     forward_s: float = 0.0
@@ -55,13 +58,22 @@ class StepCosts:
     raw_s: dict[int, float] = field(default_factory=dict)
     row: float = 0.0
     adapt: float = 0.05
+    rows: dict[int, float] = field(default_factory=dict)
 
     def __call__(self, tokens: float) -> float:
         return interpolate(self.table, tokens)
 
+    def row_at(self, batch: int) -> float:
+        """Each further row's cost in a ``batch``-row forward (the nearest measured batch size's)."""
+        if not self.rows:
+            return self.row
+        if batch in self.rows:
+            return self.rows[batch]
+        return self.rows[min(self.rows, key=lambda b: (abs(b - batch), -b))]
+
     def batch(self, rows: int, tokens: float) -> float:
         """A (packed) forward of ``rows`` rows scoring ``tokens`` tokens in all."""
-        return self(tokens) + self.row * max(0, rows - 1)
+        return self(tokens) + self.row_at(rows) * max(0, rows - 1)
 
     def per_row(self, width: int, batch: int = 1) -> float:
         """One row's share of a (packed) forward where it scores ``width`` tokens and the other
@@ -70,11 +82,13 @@ class StepCosts:
         return self.batch(batch, batch - 1 + width) / batch
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        """Fold one measured batched verify forward into ``row`` (needs the measured 1-token time)."""
+        """Fold one measured batched verify forward into ``rows[rows]`` (needs the measured 1-token
+        time); a batch size's first forward sets it, later ones move it by ``adapt``."""
         if rows < 2 or seconds <= 0 or self.forward_s <= 0:
             return
-        seen = max(0.0, (seconds / self.forward_s - self(tokens)) / (rows - 1))
-        self.row = (1 - self.adapt) * self.row + self.adapt * min(seen, 4.0)
+        seen = min(4.0, max(0.0, (seconds / self.forward_s - self(tokens)) / (rows - 1)))
+        old = self.rows.get(rows)
+        self.rows[rows] = seen if old is None else (1 - self.adapt) * old + self.adapt * seen
 
 
 def batch_lengths(lengths: Sequence[int], gains: Sequence[Sequence[float]], costs: "StepCosts") -> list[int]:
@@ -115,62 +129,97 @@ def batch_lengths(lengths: Sequence[int], gains: Sequence[Sequence[float]], cost
     return out
 
 
+POLICY, CACHE, PLAIN = "policy", "cache", "plain"
+
+
 class SpeculationCheck:
-    """Whether speculating pays at this batch size, measured rather than predicted.
+    """Which way of drafting pays at this batch size, measured rather than predicted.
 
-    The cost policy sizes a batch's drafts from estimated gains (``batch_lengths``); when those
-    are too high (the lengths are an argmax over noisy estimates, so they pick the over-estimated
-    ones), the batch pays for drafts it does not accept and decodes slower than without any. So the
-    engine keeps, per batch size, the emitted tokens per second of whole steps (drafting included)
-    taken with the policy's drafts and of steps taken with none, and decodes plainly at a batch
-    size where the drafted steps measure slower. Some steps go to the arm not preferred (every
-    fourth until it has ``min_steps``), so both rates stay measured as load and prompts change:
-    drafts are retried often (every ``explore_drafts``-th step: they pay again as soon as the cache
-    warms), plain steps seldom (``explore_plain``: a plain step's rate barely moves, and a forced
-    one forgoes a draft that may be worth ten tokens). Lone requests are left to the policy (its
-    per-request choice already weighs a plain step). Decisions depend only on the timings fed in,
-    so TP ranks fed rank 0's agree.
+    Three arms: ``policy`` (the cost policy's per-request choices, sized together by
+    ``batch_lengths``), ``cache`` (every row's cache draft as the cache drafter made it, exactly as
+    that drafter alone decodes) and ``plain`` (no drafts). Under load the policy's per-request
+    estimates are argmaxes over noisy numbers, and a batch pays for every draft it does not accept
+    and for the model drafter's time: at concurrency 8 here the policy's steps accepted as much as
+    the suffix drafter's alone yet decoded 5-10 % slower. So the engine keeps, per batch size, the
+    emitted tokens per second of whole steps (drafting included) of each arm and takes the fastest;
+    HVD under load is then at least its own cache drafter, less the exploration.
 
-    An arm's rate is the average of its steps' own rates (tokens / seconds of each step), not its
-    tokens over its seconds: a drafted step that also runs EAGLE-3 over a new request's whole
-    prompt (its one-off catch-up) can take seven plain steps' time, and in a ratio of sums that one
-    step dragged the drafted arm below the plain one, where it then stayed, re-measured only every
-    ``explore_drafts``-th step. For the same reason plain is preferred only when it measures
-    ``margin`` faster: at batch 8 here the drafted arm's average moves by about that from one step
-    to the next, and a close call costs little either way."""
+    Some steps go to the arms not preferred (every fourth to one still short of ``min_steps``), so
+    every rate stays measured as load and prompts change: drafted arms are retried often (every
+    ``explore_drafts``-th step, taking turns: they pay again as soon as the cache warms), plain
+    steps seldom (``explore_plain``: a plain step's rate barely moves, and a forced one forgoes a
+    draft that may be worth ten tokens). Lone requests are left to the policy (its per-request
+    choice already weighs a plain step). Decisions depend only on the timings fed in, so TP ranks
+    fed rank 0's agree.
 
-    def __init__(self, explore_plain: int = 64, explore_drafts: int = 8, adapt: float = 0.1, min_steps: int = 3,
-                 margin: float = 0.1):
+    An arm's rate is its tokens over its seconds (exponential averages of each, so it follows load
+    and prompts), where one step counts for at most ``outlier`` times the arm's average step time:
+    a drafted step that also runs EAGLE-3 over a new request's whole prompt (its one-off catch-up)
+    can take seven plain steps' time, and taken whole that one step dragged the drafted arm below
+    the plain one, where it then stayed, re-measured only every ``explore_drafts``-th step. (An
+    average of the steps' own rates, tried first, is biased toward the arm whose steps vary most:
+    a policy step now and then accepting a 16-token draft rated the policy's arm 20 % above the
+    cache's where both decoded the same tokens per second.) Plain is preferred only when it
+    measures ``margin`` faster than the best drafted arm: at batch 8 here a drafted arm's rate moves
+    by about that from one step to the next, and a close call costs little either way. The second
+    drafted arm must measure ``switch`` faster than the first (the cache's: in every run under load
+    here it decoded faster than the policy's choices, and each policy step it took on noise cost
+    more than its share)."""
+
+    def __init__(self, explore_plain: int = 64, explore_drafts: int = 16, adapt: float = 0.1, min_steps: int = 3,
+                 margin: float = 0.1, switch: float = 0.05, arms: Sequence[str] = (CACHE, POLICY, PLAIN),
+                 outlier: float = 3.0):
+        if not arms or arms[0] == PLAIN or len(set(arms)) != len(arms) or not set(arms) <= {POLICY, CACHE, PLAIN}:
+            raise ValueError(f"arms: distinct ones of {POLICY!r}, {CACHE!r}, {PLAIN!r}, a drafted one first; got {list(arms)}")
         self.explore_plain, self.explore_drafts = explore_plain, explore_drafts
-        self.adapt, self.min_steps, self.margin = adapt, min_steps, margin
-        self.arms: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted) -> [tokens/s, steps]
+        self.adapt, self.min_steps, self.margin, self.switch, self.outlier = adapt, min_steps, margin, switch, outlier
+        self.names = tuple(arms)
+        self.arms: dict[tuple[int, str], list[float]] = {}  # (batch, arm) -> [tokens, seconds, steps]
         self.steps: dict[int, int] = {}
 
-    def rate(self, batch: int, drafted: bool) -> float | None:
-        arm = self.arms.get((batch, drafted))
-        return arm[0] if arm and arm[1] >= self.min_steps else None
+    def rate(self, batch: int, arm: str) -> float | None:
+        got = self.arms.get((batch, arm))
+        return got[0] / got[1] if got and got[2] >= self.min_steps else None
 
-    def prefers_plain(self, batch: int) -> bool:
-        spec, plain = self.rate(batch, True), self.rate(batch, False)
-        return spec is not None and plain is not None and plain > spec * (1 + self.margin)
+    def preferred(self, batch: int) -> str:
+        """The arm measured fastest at ``batch`` rows (the first arm until it is measured, and on ties)."""
+        best = self.names[0]
+        top = self.rate(batch, best)
+        if top is None:
+            return best
+        for arm in self.names[1:]:
+            r = self.rate(batch, arm)
+            if r is not None and r > top * (1 + (self.margin if arm == PLAIN else self.switch)):
+                best, top = arm, r
+        return best
 
-    def plain(self, batch: int) -> bool:
-        """Whether this step of a ``batch``-row decode goes without drafts."""
+    def arm(self, batch: int) -> str:
+        """This step's arm for a ``batch``-row decode."""
         if batch < 2:
-            return False
+            return POLICY
         n = self.steps[batch] = self.steps.get(batch, 0) + 1
-        prefer = self.prefers_plain(batch)
-        other = self.arms.get((batch, prefer), [0, 0])[1]  # steps the other arm has been measured
-        every = 4 if other < self.min_steps else self.explore_drafts if prefer else self.explore_plain
-        return prefer != (n % every == 0)
+        best = self.preferred(batch)
+        others = [a for a in self.names if a != best]
+        short = [a for a in others if self.arms.get((batch, a), [0, 0, 0])[2] < self.min_steps]
+        if short:
+            return short[0] if n % 4 == 0 else best
+        if PLAIN in others and n % self.explore_plain == 0:
+            return PLAIN
+        drafted = [a for a in others if a != PLAIN]
+        if drafted and n % self.explore_drafts == 0:
+            return drafted[(n // self.explore_drafts) % len(drafted)]
+        return best
 
-    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def record(self, batch: int, arm: str, tokens: int, seconds: float) -> None:
         if batch < 2 or seconds <= 0:
             return
-        arm = self.arms.setdefault((batch, drafted), [0.0, 0])
-        a = self.adapt if arm[1] else 1.0
-        arm[0] = (1 - a) * arm[0] + a * tokens / seconds
-        arm[1] += 1
+        got = self.arms.setdefault((batch, arm), [0.0, 0.0, 0])
+        a = self.adapt if got[2] else 1.0
+        if got[2]:
+            seconds = min(seconds, self.outlier * got[1])
+        got[0] = (1 - a) * got[0] + a * tokens
+        got[1] = (1 - a) * got[1] + a * seconds
+        got[2] += 1
 
 
 def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5) -> StepCosts:
@@ -234,4 +283,4 @@ def monotone(raw: dict[int, float]) -> dict[int, float]:
     return {k: float(v) for k, v in zip(ks, fitted)}
 
 
-__all__ = ["SpeculationCheck", "StepCosts", "batch_lengths", "WIDTHS", "interpolate", "measure_step_costs", "monotone"]
+__all__ = ["CACHE", "PLAIN", "POLICY", "SpeculationCheck", "StepCosts", "batch_lengths", "WIDTHS", "interpolate", "measure_step_costs", "monotone"]

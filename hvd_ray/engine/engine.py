@@ -37,7 +37,7 @@ from ..verification import (greedy_walk, rejection_sample_chain, rejection_sampl
 from ..verification.sampling import sample
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
-from .costs import SpeculationCheck, batch_lengths
+from .costs import CACHE, PLAIN, POLICY, SpeculationCheck, batch_lengths
 from .request import Request, SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -150,9 +150,13 @@ class Engine:
         self.cache_draft_tokens = (max(num_draft_tokens, 64) if cache_draft_tokens is None else cache_draft_tokens) \
             if num_draft_tokens > 0 else 0
         self.decoding_batch = 1  # requests in the current decode step (policies size drafts by it)
-        # under a cost policy, batches decode plainly where drafted steps measure slower (costs.py)
-        self.check = SpeculationCheck() if getattr(policy, "costs", None) is not None else None
-        self._drafting = True  # this step's arm for ``check``
+        # under a cost policy a batch drafts the way that measures fastest at its size: the policy's
+        # choices, the cache drafter's drafts alone, or none (costs.SpeculationCheck)
+        self.check = None
+        if getattr(policy, "costs", None) is not None:
+            arms = (CACHE, POLICY, PLAIN) if getattr(policy, "cache", None) is not None else (POLICY, PLAIN)
+            self.check = SpeculationCheck(arms=arms)
+        self._arm = POLICY  # this step's arm for ``check``
         self._own_draft_s: dict[str, float] = {}  # this step's drafting time by request (``_drafts``)
         self.eos = set(eos_token_ids) | set(model.cfg.eos_token_ids)
         self.detokenize = detokenize
@@ -330,10 +334,11 @@ class Engine:
         """
         default = self.drafters[0] if self.drafters else None
         self.decoding_batch = len(reqs)
-        self._drafting = self.check is None or not self.check.plain(len(reqs))
-        if not self._drafting:  # measured: drafts do not pay at this batch size now
+        self._arm = POLICY if self.check is None else self.check.arm(len(reqs))
+        if self._arm == PLAIN:  # measured: drafts do not pay at this batch size now
             return [Draft() for _ in reqs], [None] * len(reqs), [False] * len(reqs)
-        for d in self.drafters:  # remote drafters fetch the whole batch's drafts in one call
+        prefetch = [self.policy.cache] if self._arm == CACHE else self.drafters
+        for d in prefetch:  # remote drafters fetch the whole batch's drafts in one call
             try:
                 d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, d)) for r in reqs])
             except Exception:  # noqa: BLE001 - a prefetch only; propose asks again per request below
@@ -342,8 +347,9 @@ class Engine:
         own = self._own_draft_s = {}  # each request's own drafting time (its policy call, its share of a propose)
         for r in reqs:
             t0 = time.perf_counter()
-            try:
-                choices.append(as_choice(self.policy(r, self) if self.policy else default))
+            try:  # the cache arm: the cache drafter's own draft, as it decodes alone
+                choices.append(self.policy.cache_choice(r, self) if self._arm == CACHE
+                               else as_choice(self.policy(r, self) if self.policy else default))
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, "draft selection")
                 choices.append(Choice(None))
@@ -426,7 +432,7 @@ class Engine:
         draft_s, verify_s = t1 - t0, t2 - t1
         # each row's drafting time: the step's, split as the rows' own drafting split it (a request
         # that ran the model drafter paid for it; its neighbours that verified a cache draft did not)
-        own = [self._own_draft_s.get(r.req_id, 0.0) for r in reqs] if self._drafting else [0.0] * B
+        own = [self._own_draft_s.get(r.req_id, 0.0) for r in reqs] if self._arm != PLAIN else [0.0] * B
         shares = [x / sum(own) for x in own] if sum(own) > 0 else [1.0 / B] * B
         if self.policy is not None:  # the policy learns from these: every TP rank must see the same
             draft_s, verify_s, *shares = rank0_values(self.model, [draft_s, verify_s, *shares])
@@ -443,7 +449,7 @@ class Engine:
             produced += len(emitted)
             req.stats.steps.append(StepRecord(
                 d.source or "none", len(d), accepted, draft_s * shares[b], verify_s / B, predicted[b], capped=capped[b],
-                plain=not self._drafting,
+                arm=self._arm if self.check is not None and B > 1 else None,
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
                 full_forward=b not in settled))
             try:
@@ -451,7 +457,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - a drafter's accept: fail this request alone
                 self._fail(req, e, "emitting tokens")
         if self.check is not None:
-            self.check.record(B, self._drafting, produced, draft_s + verify_s)
+            self.check.record(B, self._arm, produced, draft_s + verify_s)
             if self.slim is None:  # one target forward over every row: what a batch costs here (costs.StepCosts)
                 self.policy.costs.observe(B, B + sum(map(len, drafts)), verify_s)
         dt = time.perf_counter() - t0

@@ -55,13 +55,19 @@ class StepRecord:
     verify_s: float
     predicted: float | None = None  # the yield predictor's estimate, when a policy used one
     capped: bool = False  # the batch's draft sizing cut this draft (engine/costs.py:batch_lengths)
-    plain: bool = False  # SpeculationCheck decoded this batch step without asking for drafts (engine/costs.py)
+    # SpeculationCheck's arm for this batch step (engine/costs.py): "policy", "cache" (the cache
+    # drafter's draft, no policy asked) or "plain" (no drafts); None for a lone request or no check
+    arm: str | None = None
     # slim tier (VIA-SD, verification/tiered.py): draft tokens q' accepted, tokens q' supplied
     # (repair / regeneration / bonus), draft tokens escalated to q; whether q ran this step
     slim_accepted: int = 0
     slim_regenerated: int = 0
     slim_escalated: int = 0
     full_forward: bool = True
+
+    @property
+    def plain(self) -> bool:
+        return self.arm == "plain"
 
 
 @dataclass

@@ -171,6 +171,13 @@ class Policy(abc.ABC):
         view, _, long = self.observe(req, engine)
         return self._choice(*self.decide(view), long, view.take)
 
+    def cache_choice(self, req: "Request", engine: "Engine") -> Choice:
+        """The cache draft as the cache drafter alone would verify it (its match-sized length, without
+        the reach past the match HVD's drafter is configured with): ``SpeculationCheck``'s cache arm,
+        which decodes a batch exactly as suffix decoding does, with no decision made."""
+        long = self.cache.speculate(req.req_id, engine.draft_budget(req, self.cache))
+        return Choice(self.cache, long.truncated(unextended(long, self.cache)))
+
     def _choice(self, choice: str, predicted: float | None, draft: Draft, take: int | None = None) -> Choice:
         if choice == CACHE:
             return Choice(self.cache, draft if take is None else draft.truncated(take), predicted)
