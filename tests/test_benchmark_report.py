@@ -229,5 +229,7 @@ def test_batch_mode_runs_methods_in_closed_loop_losslessly(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 2 |")]
     assert [r[1] for r in rows] == ["greedy", "hvd-cost"]
-    assert all(r[-1] == "4/4 |" and int(r[2]) > 0 for r in rows)
+    assert all(r[7] == "4/4" and int(r[2]) > 0 for r in rows)
     assert float(rows[1][5]) >= 1.0  # tokens per forward
+    shares = [int(x.rstrip("%")) for x in rows[1][8].rstrip(" |").split(" / ")]  # hvd's batch steps by arm
+    assert len(shares) == 3 and 98 <= sum(shares) <= 102 and rows[0][8].strip(" |") == ""

@@ -74,10 +74,12 @@ def bench_batch(args) -> str:
         "",
         "tok/s = generated tokens / time inside the method's engine steps (prefill included); "
         "tokens/forward = decode tokens per request per target forward it took part in; drafted "
-        "steps = decode steps in which the request verified a draft.",
+        "steps = decode steps in which the request verified a draft; arms = hvd's batch steps (2 rows or "
+        "more) by the way they drafted (`engine/costs.py:SpeculationCheck`): the cache drafter's own "
+        "drafts / the policy's choices / none.",
         "",
-        "| concurrency | method | tokens | tok/s | vs greedy | tokens/forward | drafted steps | identical to greedy |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| concurrency | method | tokens | tok/s | vs greedy | tokens/forward | drafted steps | identical to greedy | arms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in args.concurrency:
         engines = {}
@@ -93,8 +95,10 @@ def bench_batch(args) -> str:
             steps = [s for r in reqs for s in r.stats.steps]
             tps = toks / run["seconds"]
             same = sum(r.output == o for r, o in zip(reqs, ref))
+            armed = [s.arm for s in steps if s.arm is not None]
+            arms = " / ".join(f"{armed.count(a) / len(armed):.0%}" for a in ("cache", "policy", "plain")) if armed else ""
             lines.append(f"| {c} | {m} | {toks} | {tps:.1f} | **{tps / base:.2f}x** | "
                          f"{sum(s.accepted + 1 for s in steps) / max(len(steps), 1):.2f} | "
-                         f"{sum(s.drafted > 0 for s in steps) / max(len(steps), 1):.0%} | {same}/{len(reqs)} |")
+                         f"{sum(s.drafted > 0 for s in steps) / max(len(steps), 1):.0%} | {same}/{len(reqs)} | {arms} |")
         del engines, runs
     return "\n".join(lines) + "\n"
