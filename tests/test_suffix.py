@@ -454,3 +454,28 @@ def test_history_from_a_trace_folder_seeds_the_global_tree(tmp_path):
     from hvd_ray.serving.suffix_actor import SuffixDrafterService
 
     assert SuffixDrafterService(None, str(tmp_path / "t")).stats()["cached_requests"] == 2
+
+
+def test_a_per_draft_offset_drafts_as_a_drafter_configured_with_it():
+    """HVD's cache drafter reaches past its match (``max_spec_offset``); asked with ``offset=0`` it
+    drafts what a plain suffix drafter does (match and length: under load the engine's cache arm
+    decodes as suffix decoding), and without it, its own longer drafts."""
+    import random
+
+    from hvd_ray.selection.hvd import suffix_config
+
+    rng = random.Random(0)
+    hvd, plain = SuffixDrafter(suffix_config("cost")), SuffixDrafter(SuffixConfig())
+    history = [rng.randint(0, 20) for _ in range(300)]
+    for d in (hvd, plain):
+        d.add_to_global("h", history)
+    longer = 0
+    for i in range(40):
+        prompt = [rng.randint(0, 20) for _ in range(30)] + history[i * 5: i * 5 + 10]
+        for d in (hvd, plain):
+            d.begin(i, prompt)
+        ours, theirs = hvd.speculate(i, 64, offset=0.0), plain.speculate(i, 64)
+        assert (ours.token_ids, ours.probs, ours.source) == (theirs.token_ids, theirs.probs, theirs.source)
+        assert len(hvd.speculate(i, 5, offset=0.0)) <= 5
+        longer += len(hvd.speculate(i, 64)) > len(ours)
+    assert longer > 20

@@ -624,11 +624,14 @@ class SuffixDrafter(Drafter):
         return t._seqs.get(0, [])
 
     # ----------------------------------------------------------- drafting
-    def speculate(self, req_id: Hashable, max_tokens: int | None = None) -> Draft:
+    def speculate(self, req_id: Hashable, max_tokens: int | None = None, offset: float | None = None) -> Draft:
+        """The best draft for ``req_id`` from its own tree or the global one; ``offset`` overrides the
+        config's ``max_spec_offset`` for this draft (HVD's cache arm drafts as plain suffix decoding)."""
         p = self._params
-        if max_tokens is not None and max_tokens < p.max_spec_tokens:
+        if (max_tokens is not None and max_tokens < p.max_spec_tokens) or (offset is not None and offset != p.offset):
             c = self.config
-            p = _Params(max_tokens, c.max_spec_factor, c.max_spec_offset, c.min_token_prob,
+            p = _Params(min(max_tokens, p.max_spec_tokens) if max_tokens is not None else p.max_spec_tokens,
+                        c.max_spec_factor, c.max_spec_offset if offset is None else offset, c.min_token_prob,
                         c.use_tree_spec)
         t = self._req[req_id]
         ctx = t._seqs.get(0)

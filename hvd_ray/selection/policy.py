@@ -172,11 +172,13 @@ class Policy(abc.ABC):
         return self._choice(*self.decide(view), long, view.take)
 
     def cache_choice(self, req: "Request", engine: "Engine") -> Choice:
-        """The cache draft as the cache drafter alone would verify it (its match-sized length, without
-        the reach past the match HVD's drafter is configured with): ``SpeculationCheck``'s cache arm,
-        which decodes a batch exactly as suffix decoding does, with no decision made."""
-        long = self.cache.speculate(req.req_id, engine.draft_budget(req, self.cache))
-        return Choice(self.cache, long.truncated(unextended(long, self.cache)))
+        """The cache draft as the cache drafter alone makes it (without the reach past the match
+        HVD's drafter is configured with: drafted with offset 0, the match chosen is plain suffix
+        decoding's; a remote drafter's prefetched draft is cut to its match-sized length instead):
+        ``SpeculationCheck``'s cache arm, which decodes a batch as suffix decoding does, with no
+        decision made."""
+        draft = self.cache.speculate(req.req_id, engine.draft_budget(req, self.cache), offset=0.0)
+        return Choice(self.cache, draft.truncated(unextended(draft, self.cache)))
 
     def _choice(self, choice: str, predicted: float | None, draft: Draft, take: int | None = None) -> Choice:
         if choice == CACHE:

@@ -184,7 +184,8 @@ class RemoteSuffixDrafter(Drafter):
                                    self._call([(r.req_id, r.max_tokens) for r in missing])))
         return [self._ready.pop(r.req_id).truncated(r.max_tokens) for r in reqs]
 
-    def speculate(self, req_id: Hashable, max_tokens: int | None = None) -> Draft:
+    def speculate(self, req_id: Hashable, max_tokens: int | None = None, offset: float | None = None) -> Draft:
+        # (``offset`` is the actor's own: the batch's drafts were fetched in one call by ``prepare``)
         d = self._ready.pop(req_id, None)
         if d is None:
             d = self._call([(req_id, max_tokens if max_tokens is not None else 64)])[0]
