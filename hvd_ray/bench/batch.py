@@ -78,7 +78,8 @@ def bench_batch(args) -> str:
         "more) by the way they drafted (`engine/costs.py:SpeculationCheck`): the cache drafter's own "
         "drafts / the policy's choices / none.",
         "",
-        "| concurrency | method | tokens | tok/s | vs greedy | tokens/forward | drafted steps | identical to greedy | arms |",
+        "| concurrency | method | tokens | tok/s | vs greedy | tokens/forward | drafted steps | identical to greedy "
+        "| arms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in args.concurrency:
@@ -96,9 +97,11 @@ def bench_batch(args) -> str:
             tps = toks / run["seconds"]
             same = sum(r.output == o for r, o in zip(reqs, ref))
             armed = [s.arm for s in steps if s.arm is not None]
-            arms = " / ".join(f"{armed.count(a) / len(armed):.0%}" for a in ("cache", "policy", "plain")) if armed else ""
+            arms = " / ".join(f"{armed.count(a) / len(armed):.0%}" for a in ("cache", "policy", "plain")) \
+                if armed else ""
             lines.append(f"| {c} | {m} | {toks} | {tps:.1f} | **{tps / base:.2f}x** | "
                          f"{sum(s.accepted + 1 for s in steps) / max(len(steps), 1):.2f} | "
-                         f"{sum(s.drafted > 0 for s in steps) / max(len(steps), 1):.0%} | {same}/{len(reqs)} | {arms} |")
+                         f"{sum(s.drafted > 0 for s in steps) / max(len(steps), 1):.0%} | {same}/{len(reqs)} | "
+                         f"{arms} |")
         del engines, runs
     return "\n".join(lines) + "\n"

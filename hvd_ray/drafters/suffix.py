@@ -628,7 +628,8 @@ class SuffixDrafter(Drafter):
         """The best draft for ``req_id`` from its own tree or the global one; ``offset`` overrides the
         config's ``max_spec_offset`` for this draft (HVD's cache arm drafts as plain suffix decoding)."""
         p = self._params
-        if (max_tokens is not None and max_tokens < p.max_spec_tokens) or (offset is not None and offset != p.offset):
+        if (max_tokens is not None and max_tokens < p.max_spec_tokens) or (
+                offset is not None and offset != p.offset):
             c = self.config
             p = _Params(min(max_tokens, p.max_spec_tokens) if max_tokens is not None else p.max_spec_tokens,
                         c.max_spec_factor, c.max_spec_offset if offset is None else offset, c.min_token_prob,

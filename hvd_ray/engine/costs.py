@@ -172,30 +172,26 @@ class SpeculationCheck:
                  margin: float = 0.1, switch: float = 0.15, arms: Sequence[str] = (CACHE, POLICY, PLAIN),
                  outlier: float = 3.0):
         if not arms or arms[0] == PLAIN or len(set(arms)) != len(arms) or not set(arms) <= {POLICY, CACHE, PLAIN}:
-            raise ValueError(f"arms: distinct ones of {POLICY!r}, {CACHE!r}, {PLAIN!r}, a drafted one first; got {list(arms)}")
+            raise ValueError(f"arms: distinct ones of {POLICY!r}, {CACHE!r}, {PLAIN!r}, a drafted one first; "
+                             f"got {list(arms)}")
         self.explore_plain, self.explore_drafts = explore_plain, explore_drafts
         self.adapt, self.min_steps, self.margin, self.switch, self.outlier = adapt, min_steps, margin, switch, outlier
         self.names = tuple(arms)
         self.arms: dict[tuple[int, str], list[float]] = {}  # (batch, arm) -> [tokens, seconds, steps]
         self.steps: dict[int, int] = {}
+        self.done: set[int] = set()  # batch sizes with every arm measured (``record`` keeps it)
 
     def rate(self, batch: int, arm: str) -> float | None:
         got = self.arms.get((batch, arm))
         return got[0] / got[1] if got and got[2] >= self.min_steps else None
-
-    def measured(self, batch: int) -> bool:
-        """Whether every arm has its ``min_steps`` at ``batch`` rows."""
-        return all(self.rate(batch, a) is not None for a in self.names)
 
     def preferred(self, batch: int) -> str:
         """The arm measured fastest at ``batch`` rows (ties: the first). Until every arm is measured
         there, the nearest batch size's where they are: a size seen for a few steps only, as a queue
         fills or drains, decides as its neighbours do rather than spend its steps measuring every
         arm anew (at concurrency 16 that warm-up, at each size on the way down, took half the steps)."""
-        if not self.measured(batch):
-            done = [b for b in self.steps if self.measured(b)]
-            if done:
-                batch = min(done, key=lambda b: (abs(b - batch), -b))
+        if batch not in self.done and self.done:
+            batch = min(self.done, key=lambda b: (abs(b - batch), -b))
         best = self.names[0]
         top = self.rate(batch, best)
         if top is None:
@@ -214,7 +210,7 @@ class SpeculationCheck:
         best = self.preferred(batch)
         others = [a for a in self.names if a != best]
         short = [a for a in others if self.arms.get((batch, a), [0, 0, 0])[2] < self.min_steps]
-        if short and not any(self.measured(b) for b in self.steps):  # the first sizes seen: measure them
+        if short and not self.done:  # the first sizes seen: measure them
             return short[0] if n % 4 == 0 else best
         if PLAIN in others and n % self.explore_plain == 0:
             return PLAIN
@@ -233,6 +229,8 @@ class SpeculationCheck:
         got[0] = (1 - a) * got[0] + a * tokens
         got[1] = (1 - a) * got[1] + a * seconds
         got[2] += 1
+        if got[2] == self.min_steps and all(self.rate(batch, x) is not None for x in self.names):
+            self.done.add(batch)
 
 
 def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5) -> StepCosts:
@@ -296,4 +294,5 @@ def monotone(raw: dict[int, float]) -> dict[int, float]:
     return {k: float(v) for k, v in zip(ks, fitted)}
 
 
-__all__ = ["CACHE", "PLAIN", "POLICY", "SpeculationCheck", "StepCosts", "batch_lengths", "WIDTHS", "interpolate", "measure_step_costs", "monotone"]
+__all__ = ["CACHE", "PLAIN", "POLICY", "SpeculationCheck", "StepCosts", "batch_lengths", "WIDTHS", "interpolate",
+           "measure_step_costs", "monotone"]
