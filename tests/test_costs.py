@@ -171,13 +171,36 @@ def test_one_slow_drafted_step_does_not_turn_a_batch_plain():
         check.record(8, CACHE, 12, 0.15)
         if i % 4 == 0:
             check.record(8, PLAIN, 8, 0.15)
+    w = check.arms[(8, CACHE)][2] * (1 - check.adapt)  # the earlier steps' weight, one step on
     check.record(8, CACHE, 8, 0.9)  # the catch-up step: 8.9 tok/s, counted as 0.45 s
-    assert check.rate(8, CACHE) == pytest.approx((0.9 * 12 + 0.1 * 8) / (0.9 * 0.15 + 0.1 * 0.45))
+    assert check.rate(8, CACHE) == pytest.approx((w * 12 + 8) / (w * 0.15 + 0.45))
     assert check.preferred(8) == CACHE
     check.arms[(8, PLAIN)][0] = 1.05 * check.rate(8, CACHE) * check.arms[(8, PLAIN)][1]  # within the margin
     assert check.preferred(8) == CACHE
     check.arms[(8, PLAIN)][0] = 1.2 * check.rate(8, CACHE) * check.arms[(8, PLAIN)][1]
     assert check.preferred(8) == PLAIN
+
+
+def test_a_rarely_measured_arm_follows_its_latest_steps():
+    """An arm's sums are discounted per step at its batch size, not per step of its own: the cache
+    arm, measured at the cold start (an empty global tree) and then only every 16th step while the
+    policy's arm leads, takes over once its recent steps are faster; per-sample averages kept ~70 %
+    of its weight on the cold steps after three retries, and the batch stayed on the slower arm."""
+    from hvd_ray.engine.costs import CACHE, PLAIN, POLICY, SpeculationCheck
+
+    check = SpeculationCheck()
+    speed = {CACHE: (2, 0.1), POLICY: (12, 0.1), PLAIN: (8, 0.1)}  # tokens, seconds: the cold start
+    for _ in range(24):
+        arm = check.arm(16)
+        check.record(16, arm, *speed[arm])
+    assert check.preferred(16) == POLICY
+    speed[CACHE] = (20, 0.1)  # the tree now holds answers: 200 tok/s against the policy's 120
+    picked = []
+    for _ in range(80):
+        arm = check.arm(16)
+        picked.append(arm)
+        check.record(16, arm, *speed[arm])
+    assert check.preferred(16) == CACHE and picked[-16:].count(CACHE) >= 14
 
 
 def test_a_batch_drafts_the_way_that_measures_fastest():

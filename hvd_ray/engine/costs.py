@@ -153,8 +153,13 @@ class SpeculationCheck:
     choice already weighs a plain step). Decisions depend only on the timings fed in, so TP ranks
     fed rank 0's agree.
 
-    An arm's rate is its tokens over its seconds (exponential averages of each, so it follows load
-    and prompts), where one step counts for at most ``outlier`` times the arm's average step time:
+    An arm's rate is its tokens over its seconds, both sums discounted by ``adapt`` per step at that
+    batch size (not per step of the arm), so every arm follows load and prompts at the same pace: a
+    per-sample average let an arm retried every 16th step keep ~40 % of its weight on its first
+    three steps, taken while the global tree was still empty, long after (a 59-prompt run at
+    concurrency 16 here rated the cache arm at 69 tok/s against the policy's 125 on them, and
+    decoded at 0.91 of the cache drafter alone). One step counts for at most ``outlier`` times the
+    arm's average step time:
     a drafted step that also runs EAGLE-3 over a new request's whole prompt (its one-off catch-up)
     can take seven plain steps' time, and taken whole that one step dragged the drafted arm below
     the plain one, where it then stayed, re-measured only every ``explore_drafts``-th step. (An
@@ -168,7 +173,7 @@ class SpeculationCheck:
     more than its share: at concurrency 8 and 16 here its steps measured within 10-15 % of the
     cache's from one stretch to the next, while over whole runs it was 4-40 % slower)."""
 
-    def __init__(self, explore_plain: int = 64, explore_drafts: int = 16, adapt: float = 0.1, min_steps: int = 3,
+    def __init__(self, explore_plain: int = 64, explore_drafts: int = 16, adapt: float = 0.03, min_steps: int = 3,
                  margin: float = 0.1, switch: float = 0.15, arms: Sequence[str] = (CACHE, POLICY, PLAIN),
                  outlier: float = 3.0):
         if not arms or arms[0] == PLAIN or len(set(arms)) != len(arms) or not set(arms) <= {POLICY, CACHE, PLAIN}:
@@ -177,13 +182,15 @@ class SpeculationCheck:
         self.explore_plain, self.explore_drafts = explore_plain, explore_drafts
         self.adapt, self.min_steps, self.margin, self.switch, self.outlier = adapt, min_steps, margin, switch, outlier
         self.names = tuple(arms)
-        self.arms: dict[tuple[int, str], list[float]] = {}  # (batch, arm) -> [tokens, seconds, steps]
-        self.steps: dict[int, int] = {}
+        # (batch, arm) -> [tokens, seconds, weight (discounted sums), steps, the batch's clock at the last]
+        self.arms: dict[tuple[int, str], list[float]] = {}
+        self.steps: dict[int, int] = {}  # steps decided per batch size (the schedule)
+        self.clock: dict[int, int] = {}  # steps recorded per batch size (the discount)
         self.done: set[int] = set()  # batch sizes with every arm measured (``record`` keeps it)
 
     def rate(self, batch: int, arm: str) -> float | None:
         got = self.arms.get((batch, arm))
-        return got[0] / got[1] if got and got[2] >= self.min_steps else None
+        return got[0] / got[1] if got and got[3] >= self.min_steps else None
 
     def preferred(self, batch: int) -> str:
         """The arm measured fastest at ``batch`` rows (ties: the first). Until every arm is measured
@@ -209,7 +216,7 @@ class SpeculationCheck:
         n = self.steps[batch] = self.steps.get(batch, 0) + 1
         best = self.preferred(batch)
         others = [a for a in self.names if a != best]
-        short = [a for a in others if self.arms.get((batch, a), [0, 0, 0])[2] < self.min_steps]
+        short = [a for a in others if self.arms.get((batch, a), [0, 0, 0, 0])[3] < self.min_steps]
         if short and not self.done:  # the first sizes seen: measure them
             return short[0] if n % 4 == 0 else best
         if PLAIN in others and n % self.explore_plain == 0:
@@ -222,14 +229,17 @@ class SpeculationCheck:
     def record(self, batch: int, arm: str, tokens: int, seconds: float) -> None:
         if batch < 2 or seconds <= 0:
             return
-        got = self.arms.setdefault((batch, arm), [0.0, 0.0, 0])
-        a = self.adapt if got[2] else 1.0
-        if got[2]:
-            seconds = min(seconds, self.outlier * got[1])
-        got[0] = (1 - a) * got[0] + a * tokens
-        got[1] = (1 - a) * got[1] + a * seconds
-        got[2] += 1
-        if got[2] == self.min_steps and all(self.rate(batch, x) is not None for x in self.names):
+        now = self.clock[batch] = self.clock.get(batch, 0) + 1
+        got = self.arms.setdefault((batch, arm), [0.0, 0.0, 0.0, 0, now])
+        if got[3]:
+            seconds = min(seconds, self.outlier * got[1] / got[2])
+        keep = (1 - self.adapt) ** (now - got[4])
+        got[0] = keep * got[0] + tokens
+        got[1] = keep * got[1] + seconds
+        got[2] = keep * got[2] + 1
+        got[3] += 1
+        got[4] = now
+        if got[3] == self.min_steps and all(self.rate(batch, x) is not None for x in self.names):
             self.done.add(batch)
 
 
