@@ -201,6 +201,10 @@ def test_a_rarely_measured_arm_follows_its_latest_steps():
         picked.append(arm)
         check.record(16, arm, *speed[arm])
     assert check.preferred(16) == CACHE and picked[-16:].count(CACHE) >= 14
+    got = check.summary()["16"]  # what GET /stats shows operators
+    assert got["preferred"] == CACHE and set(got["arms"]) == {CACHE, POLICY, PLAIN}
+    assert got["arms"][CACHE]["tokens_per_s"] == pytest.approx(check.rate(16, CACHE), abs=0.05)
+    assert sum(a["steps"] for a in got["arms"].values()) == 104
 
 
 def test_a_batch_drafts_the_way_that_measures_fastest():

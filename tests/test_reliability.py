@@ -200,6 +200,10 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
     assert after["live_drafter_requests"] == 0, after
     assert after["finished"] - before["finished"] >= ok  # + hang-ups that finished before noticing
     assert after["failed"] == before["failed"]  # the engine failed no request under load
+    # how batches drafted under load (the cost policy's SpeculationCheck): measured arms per batch size
+    spec = after["speculation"]
+    assert spec and all(e["preferred"] in ("cache", "policy", "plain") for e in spec.values()), spec
+    assert sum(a["steps"] for e in spec.values() for a in e["arms"].values()) > 0, spec
     actor = ray.get_actor("hvd-suffix-drafter", namespace="hvd_ray")
     deadline = time.monotonic() + 30
     while ray.get(actor.stats.remote())["requests"] and time.monotonic() < deadline:

@@ -226,6 +226,16 @@ class SpeculationCheck:
             return drafted[(n // self.explore_drafts) % len(drafted)]
         return best
 
+    def summary(self) -> dict[str, dict]:
+        """Per batch size (a string key, for JSON): the arm taken now and each arm's measured tokens
+        per second (None until ``min_steps``) and steps, for operators (``GET /stats``)."""
+        out: dict[str, dict] = {}
+        for (batch, arm), got in sorted(list(self.arms.items())):  # list(): one atomic copy (a reader thread)
+            entry = out.setdefault(str(batch), {"preferred": self.preferred(batch), "arms": {}})
+            rate = self.rate(batch, arm)
+            entry["arms"][arm] = {"tokens_per_s": None if rate is None else round(rate, 1), "steps": int(got[3])}
+        return out
+
     def record(self, batch: int, arm: str, tokens: int, seconds: float) -> None:
         if batch < 2 or seconds <= 0:
             return

@@ -440,6 +440,8 @@ class ModelReplica(ReplicaFront):
         out["live_drafter_requests"] = sum(d.live_requests() for d in drafters)
         out["decode_s"] = self.loop.decode_s
         out["decode_steps"], out["decode_tokens"] = self.loop.decode_steps, self.loop.decode_tokens
+        check = getattr(self.engine, "check", None)  # under a cost policy: how batches draft (costs.py)
+        out["speculation"] = check.summary() if check is not None else None
         out["rss_bytes"] = psutil.Process().memory_info().rss  # leak checks under load (bench/load.py)
         return out
 
