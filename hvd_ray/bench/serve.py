@@ -71,6 +71,23 @@ def _stats(base: str) -> dict:
         return c.get("/stats").json()
 
 
+def _arm_steps(stats: dict) -> dict[str, int]:
+    """Batch steps so far by the way they drafted (``/stats`` ``speculation``; empty without one)."""
+    out: dict[str, int] = {}
+    for entry in (stats.get("speculation") or {}).values():
+        for arm, got in entry["arms"].items():
+            out[arm] = out.get(arm, 0) + got["steps"]
+    return out
+
+
+def _arms_cell(s0: dict, s1: dict) -> str:
+    """The level's batch steps by arm, cache / policy / plain shares (``-`` without a cost policy)."""
+    a0, a1 = _arm_steps(s0), _arm_steps(s1)
+    n = {arm: a1.get(arm, 0) - a0.get(arm, 0) for arm in ("cache", "policy", "plain")}
+    total = sum(n.values())
+    return " / ".join(f"{100 * n[a] / total:.0f}%" for a in n) if total else "-"
+
+
 def _parse_server(server: str) -> tuple[str, str, int | None]:
     """``drafter[:suffix_actor_mode][@torch_threads]`` -> (drafter, mode, threads); threads None:
     the serving default (``ServingConfig.threads``), what a user's replica gets."""
@@ -112,10 +129,12 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         "actor wait = time the engine loop spent on suffix-drafter actor calls (blocked on them in `remote` mode; "
         "submitting and polling background calls in `mirror` mode) / time inside engine steps; in steps = time "
         "inside engine steps (prefill and decode) / wall time of the level, and tokens/forward = tokens a request gained "
-        "per target forward it took part in (finished requests).",
+        "per target forward it took part in (finished requests); batch arms = the level's batch steps (2 rows or "
+        "more) by the way they drafted under the cost policy (`GET /stats` `speculation`, "
+        "`engine/costs.py:SpeculationCheck`): the cache drafter's own drafts / the policy's choices / none.",
         "",
-        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait | in steps | tokens/forward |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait | in steps | tokens/forward | batch arms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
     ]
@@ -185,7 +204,8 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                 rows[server].append(
                     f"| {conc} | {len(work)} | {len(work) / wall:.2f} | {toks / wall:.1f} | {_pct(lat, 0.5):.2f} | "
                     f"{_pct(lat, 0.99):.2f} | {_pct(ttft, 0.5):.2f} | {_pct(ttft, 0.99):.2f} | "
-                    f"{100 * wait / busy if busy else 0:.1f}% | {100 * busy / wall:.0f}% | {forward:.2f} |")
+                    f"{100 * wait / busy if busy else 0:.1f}% | {100 * busy / wall:.0f}% | {forward:.2f} | "
+                    f"{_arms_cell(s0, s1)} |")
                 print(f"{server}: {rows[server][-1]}", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
