@@ -71,8 +71,26 @@ def test_multi_token_forward_and_rollback_equal_step_by_step(tiny_llama):
         model.cache.truncate(0, 99)
 
 
+def test_a_run_of_slots_splits_where_one_key_span_would_waste_too_much():
+    """Consecutive slots attend as one run over its longest row's span, until padding a row to it
+    would waste more than ``SPAN_WASTE`` (key, query) pairs (a 1,000-token context beside 150-token
+    ones); different widths always split."""
+    from hvd_ray.model.transformer import SPAN_WASTE, slot_runs
+
+    assert slot_runs([0, 1, 2], [100, 120, 90], [1, 1, 1]) == [(0, 3, 0, 121, 1)]
+    assert slot_runs([0, 1, 2, 3], [150, 1000, 1010, 140], [1, 1, 1, 1]) == [
+        (0, 1, 0, 151, 1), (1, 3, 1, 1011, 1), (3, 4, 3, 141, 1)]
+    assert slot_runs([0, 1, 3], [10, 10, 10], [2, 2, 2]) == [(0, 2, 0, 12, 2), (3, 4, 2, 12, 2)]
+    assert slot_runs([0, 1], [10, 10], [1, 3]) == [(0, 1, 0, 11, 1), (1, 2, 1, 13, 3)]
+    wide = SPAN_WASTE // 4 + 1  # 4 queries per row: 4 x that many wasted pairs is over the bound
+    assert len(slot_runs([0, 1], [10, 10 + wide], [4, 4])) == 2 and len(slot_runs([0, 1], [10, 10 + wide], [1, 1])) == 1
+
+
+@pytest.mark.parametrize("waste", [None, 0])  # the default; 0: rows of different spans in runs of their own
 @pytest.mark.parametrize("slots", [(0, 1, 2), (0, 2, 3)])  # one run of slots; runs [0], [2, 3]
-def test_batched_forward_equals_per_sequence(tiny_folder, slots):
+def test_batched_forward_equals_per_sequence(tiny_folder, slots, waste, monkeypatch):
+    if waste is not None:
+        monkeypatch.setattr("hvd_ray.model.transformer.SPAN_WASTE", waste)
     model = Transformer.from_pretrained(tiny_folder, dtype=torch.float32)
     model.setup_cache(5, 128)
     g = torch.Generator().manual_seed(3)
@@ -104,6 +122,13 @@ def test_batched_forward_equals_per_sequence(tiny_folder, slots):
             model.cache.truncate(4, len(s))  # slot 4 holds s + nxt[b]: score nxt[b] after s again, for its taps
             alone = model(torch.tensor([nxt[b]]), [4], taps=(1,)).taps[0][0]
             assert (out.taps[0][b, : len(nxt[b])] - alone).abs().max() <= ATOL
+    # a plain decode step (one token per row, contexts of different lengths): one run, or (waste 0)
+    # a run per context length
+    for b, s in enumerate(slots):
+        model.cache.truncate(s, len(seqs[b]))
+    out = model(torch.tensor([[21], [22], [23]]), list(slots)).logits
+    for b, s in enumerate(seqs):
+        assert (out[b, 0] - ours_logits(model, s + [21 + b], slot=4)[-1]).abs().max() <= ATOL
 
 
 def test_tree_mask_equals_each_branch_alone(tiny_llama):
