@@ -351,7 +351,8 @@ class KVCache:
 # A row joins the run before it only while padding the run's rows to one key span wastes at most this
 # many (key, query) pairs: a run attends over its longest row's span. Plain decoding at concurrency 16
 # (one run of 1-token rows, 150- to 1,100-token contexts) spent 22% longer in its forwards without it;
-# 64 to 1,024 here measured alike (a further run costs a few small kernels per layer).
+# 64 to 1,024 here measured alike (a further run costs a few small kernels per layer; measured on
+# CPU, where those are cheap: on a GPU their launches may make a higher bound pay).
 SPAN_WASTE = 512
 
 
