@@ -197,8 +197,9 @@ class SpeculationCheck:
         there, the nearest batch size's where they are: a size seen for a few steps only, as a queue
         fills or drains, decides as its neighbours do rather than spend its steps measuring every
         arm anew (at concurrency 16 that warm-up, at each size on the way down, took half the steps)."""
-        if batch not in self.done and self.done:
-            batch = min(self.done, key=lambda b: (abs(b - batch), -b))
+        done = tuple(self.done)  # one atomic copy: ``summary`` reads it from the server's stats thread
+        if batch not in done and done:
+            batch = min(done, key=lambda b: (abs(b - batch), -b))
         best = self.names[0]
         top = self.rate(batch, best)
         if top is None:
