@@ -9,6 +9,7 @@ import sys
 import time
 
 from ..build import build_engine, spec_from_args
+from ..engine.costs import ARMS
 from ..model import load
 from .machine import DTYPE_NAMES, command, machine_line
 from .prompts import prompt_ids
@@ -97,7 +98,7 @@ def bench_batch(args) -> str:
             tps = toks / run["seconds"]
             same = sum(r.output == o for r, o in zip(reqs, ref))
             armed = [s.arm for s in steps if s.arm is not None]
-            arms = " / ".join(f"{armed.count(a) / len(armed):.0%}" for a in ("cache", "policy", "plain")) \
+            arms = " / ".join(f"{armed.count(a) / len(armed):.0%}" for a in ARMS) \
                 if armed else ""
             lines.append(f"| {c} | {m} | {toks} | {tps:.1f} | **{tps / base:.2f}x** | "
                          f"{sum(s.accepted + 1 for s in steps) / max(len(steps), 1):.2f} | "

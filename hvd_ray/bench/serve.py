@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..engine.costs import ARMS
 from ..model import resolve
 from ..serving.config import ServingConfig
 from .machine import DTYPE_NAMES, command, machine_line
@@ -83,7 +84,7 @@ def _arm_steps(stats: dict) -> dict[str, int]:
 def _arms_cell(s0: dict, s1: dict) -> str:
     """The level's batch steps by arm, cache / policy / plain shares (``-`` without a cost policy)."""
     a0, a1 = _arm_steps(s0), _arm_steps(s1)
-    n = {arm: a1.get(arm, 0) - a0.get(arm, 0) for arm in ("cache", "policy", "plain")}
+    n = {arm: a1.get(arm, 0) - a0.get(arm, 0) for arm in ARMS}
     total = sum(n.values())
     return " / ".join(f"{100 * n[a] / total:.0f}%" for a in n) if total else "-"
 

@@ -130,6 +130,7 @@ def batch_lengths(lengths: Sequence[int], gains: Sequence[Sequence[float]], cost
 
 
 POLICY, CACHE, PLAIN = "policy", "cache", "plain"
+ARMS = (CACHE, POLICY, PLAIN)  # every arm, in the order of preference on a tie
 
 
 class SpeculationCheck:
@@ -159,8 +160,7 @@ class SpeculationCheck:
     three steps, taken while the global tree was still empty, long after (a 59-prompt run at
     concurrency 16 here rated the cache arm at 69 tok/s against the policy's 125 on them, and
     decoded at 0.91 of the cache drafter alone). One step counts for at most ``outlier`` times the
-    arm's average step time:
-    a drafted step that also runs EAGLE-3 over a new request's whole prompt (its one-off catch-up)
+    arm's average step time: a drafted step that also runs EAGLE-3 over a new request's whole prompt (its one-off catch-up)
     can take seven plain steps' time, and taken whole that one step dragged the drafted arm below
     the plain one, where it then stayed, re-measured only every ``explore_drafts``-th step. (An
     average of the steps' own rates, tried first, is biased toward the arm whose steps vary most:
@@ -174,7 +174,7 @@ class SpeculationCheck:
     cache's from one stretch to the next, while over whole runs it was 4-40 % slower)."""
 
     def __init__(self, explore_plain: int = 64, explore_drafts: int = 16, adapt: float = 0.03, min_steps: int = 3,
-                 margin: float = 0.1, switch: float = 0.15, arms: Sequence[str] = (CACHE, POLICY, PLAIN),
+                 margin: float = 0.1, switch: float = 0.15, arms: Sequence[str] = ARMS,
                  outlier: float = 3.0):
         if not arms or arms[0] == PLAIN or len(set(arms)) != len(arms) or not set(arms) <= {POLICY, CACHE, PLAIN}:
             raise ValueError(f"arms: distinct ones of {POLICY!r}, {CACHE!r}, {PLAIN!r}, a drafted one first; "
@@ -232,8 +232,9 @@ class SpeculationCheck:
         per second (None until ``min_steps``) and steps, for operators (``GET /stats``)."""
         out: dict[str, dict] = {}
         for (batch, arm), got in sorted(list(self.arms.items())):  # list(): one atomic copy (a reader thread)
-            entry = out.setdefault(str(batch), {"preferred": self.preferred(batch), "arms": {}})
-            rate = self.rate(batch, arm)
+            if str(batch) not in out:
+                out[str(batch)] = {"preferred": self.preferred(batch), "arms": {}}
+            entry, rate = out[str(batch)], self.rate(batch, arm)
             entry["arms"][arm] = {"tokens_per_s": None if rate is None else round(rate, 1), "steps": int(got[3])}
         return out
 
@@ -315,5 +316,5 @@ def monotone(raw: dict[int, float]) -> dict[int, float]:
     return {k: float(v) for k, v in zip(ks, fitted)}
 
 
-__all__ = ["CACHE", "PLAIN", "POLICY", "SpeculationCheck", "StepCosts", "batch_lengths", "WIDTHS", "interpolate",
+__all__ = ["ARMS", "CACHE", "PLAIN", "POLICY", "SpeculationCheck", "StepCosts", "batch_lengths", "WIDTHS", "interpolate",
            "measure_step_costs", "monotone"]

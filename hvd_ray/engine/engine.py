@@ -37,7 +37,7 @@ from ..verification import (greedy_walk, rejection_sample_chain, rejection_sampl
 from ..verification.sampling import sample
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
-from .costs import CACHE, PLAIN, POLICY, SpeculationCheck, batch_lengths
+from .costs import ARMS, CACHE, PLAIN, POLICY, SpeculationCheck, batch_lengths
 from .request import Request, SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class Engine:
         # choices, the cache drafter's drafts alone, or none (costs.SpeculationCheck)
         self.check = None
         if getattr(policy, "costs", None) is not None:
-            arms = (CACHE, POLICY, PLAIN) if getattr(policy, "cache", None) is not None else (POLICY, PLAIN)
+            arms = ARMS if getattr(policy, "cache", None) is not None else (POLICY, PLAIN)
             self.check = SpeculationCheck(arms=arms)
         self._arm = POLICY  # this step's arm for ``check``
         self._own_draft_s: dict[str, float] = {}  # this step's drafting time by request (``_drafts``)
