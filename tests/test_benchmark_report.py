@@ -233,3 +233,23 @@ def test_batch_mode_runs_methods_in_closed_loop_losslessly(tmp_path):
     assert float(rows[1][5]) >= 1.0  # tokens per forward
     shares = [int(x.rstrip("%")) for x in rows[1][8].rstrip(" |").split(" / ")]  # hvd's batch steps by arm
     assert len(shares) == 3 and 98 <= sum(shares) <= 102 and rows[0][8].strip(" |") == ""
+
+
+def test_the_dominance_table_sets_the_union_tree_against_choose_one():
+    """With hvd-cost-union in a run, each regime's row also gives its tok/s and forwards over
+    hvd-cost's: the union tree measured against choose-one, side by side."""
+    from hvd_ray.bench.spec import dominance_table
+
+    def row(tokens, seconds, forwards):
+        return {"tokens": tokens, "time": seconds, "forwards": forwards}
+
+    rows = {("code", "suffix"): row(100, 4.0, 50), ("code", "eagle3"): row(100, 5.0, 60),
+            ("code", "hvd-cost"): row(100, 3.0, 40), ("code", "hvd-cost-union"): row(100, 2.5, 36),
+            ("code", "oracle"): row(100, 2.0, 32)}
+    lines = dominance_table({"cold": rows}, ["code"], ["suffix", "eagle3", "hvd-cost", "hvd-cost-union", "oracle"])
+    assert lines[0].endswith("| union / choose-one tok/s | union / choose-one fwd |")
+    cells = [c.strip() for c in lines[2].split("|")]
+    assert cells[1:3] == ["cold", "code"] and cells[4] == "suffix 25.0" and cells[5] == "**1.33**"
+    assert cells[-3:-1] == ["1.20", "0.90"]
+    assert len(lines[1].split("|")) == len(lines[0].split("|"))
+    assert "union" not in dominance_table({"cold": rows}, ["code"], ["suffix", "eagle3", "hvd-cost", "oracle"])[0]

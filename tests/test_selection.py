@@ -494,3 +494,56 @@ def test_cost_policy_reaches_past_the_match_at_the_start_of_a_repeat():
     cache.end("probe")
     assert len(long) > long.match_len == unextended(long, cache)
     assert unextended(long, plain) == len(long)  # a drafter without an offset: the draft itself
+
+
+def test_union_tree_shares_common_paths_and_marks_the_model_part():
+    """Two drafts as one tree: a path both take is verified once; the marks say which nodes the
+    second draft (the model's) has, so a step can tell what it alone would have got."""
+    cache = Draft.chain([5, 6, 7, 8], [0.9, 0.8, 0.5, 0.4], source="suffix-request")
+    model = Draft.chain([5, 6, 9], [0.7, 0.6, 0.5], source="eagle3")
+    u = Draft.union(cache, model)
+    assert (u.token_ids, u.parents, u.marks) == ([5, 6, 7, 8, 9], [-1, 0, 1, 2, 1], [True, True, False, False, True])
+    assert u.source == "union" and not u.is_chain and u.probs == [0.9, 0.8, 0.5, 0.4, 0.5]
+    assert u.truncated(3).marks == [True, True, False]
+    apart = Draft.union(Draft.chain([1, 2]), Draft.chain([3]))
+    assert apart.parents == [-1, 0, -1] and apart.marks == [False, False, True]
+    assert Draft.union(Draft(), model).token_ids == [5, 6, 9]
+    with pytest.raises(ValueError, match="sampled"):
+        Draft.union(cache, Draft.chain([1], dists=torch.ones(1, 4)))
+
+
+def test_cost_policy_verifies_both_drafts_where_the_cache_draft_is_doubtful():
+    """The union's yield is the deeper of two paths: P(either) per depth. It is chosen where the
+    cache draft is doubtful and the model draft cheap, not where either alone is clearly better,
+    and only for a lone request (under load the batch's drafts are sized per row)."""
+    from hvd_ray.engine.request import StepRecord
+    from hvd_ray.selection.policy import UNION, model_curve, union_yield
+
+    curve = model_curve(1.5, 4)
+    assert len(curve) == 4 and sum(curve) == pytest.approx(1.5, abs=1e-6)
+    assert all(a > b for a, b in zip(curve, curve[1:])) and model_curve(5.0, 4) == [1.0] * 4
+    assert union_yield([0.5, 0.25], [0.5]) == pytest.approx(0.75 + 0.25)
+    assert union_yield([1.0, 1.0], [0.3, 0.1]) == pytest.approx(2.0)  # a sure path leaves nothing to add
+    costs = {1: 1.0, 2: 1.01, 4: 1.03, 8: 1.15, 16: 1.4, 32: 1.8, 64: 2.7}
+    doubtful = StepView(np.zeros(len(SPEC), np.float32), cache_len=4, model_len=4, cache_probs=[0.5, 0.3, 0.2, 0.1])
+    pol = CostPolicy(constant_predictor(0.6), model=_Eagle(), cost_table=costs, model_accept=1.5,
+                     model_token_cost=0.05, adapt=0.0, union=True)
+    choice, _ = pol.decide(doubtful)
+    assert choice == UNION and 1 <= doubtful.take_union <= 4
+    r = pol.rates(doubtful, 0.6)
+    assert r[UNION] > max(r[CACHE], r[MODEL], r[NONE])
+    plain = CostPolicy(constant_predictor(0.6), model=_Eagle(), cost_table=costs, model_accept=1.5,
+                       model_token_cost=0.05, adapt=0.0)
+    assert UNION not in plain.rates(doubtful, 0.6) and plain.decide(doubtful)[0] == MODEL
+    sure = StepView(np.zeros(len(SPEC), np.float32), cache_len=4, model_len=4, cache_probs=[1.0, 1.0, 1.0, 1.0])
+    confident = CostPolicy(constant_predictor(4.0), model=_Eagle(), cost_table=costs, model_accept=1.5,
+                           model_token_cost=0.05, adapt=0.0, union=True)
+    assert confident.decide(sure)[0] == CACHE  # the model draft would only cost
+    loaded = StepView(np.zeros(len(SPEC), np.float32), cache_len=4, model_len=4, cache_probs=[0.5, 0.3, 0.2, 0.1], batch=4)
+    assert UNION not in pol.rates(loaded, 0.6)
+    # the model side learns from a union step what its own draft got, not what the union got
+    learner = CostPolicy(constant_predictor(0.6), model=_Eagle(), model_accept=2.0, adapt=0.5, union=True)
+    step = StepRecord("union", 6, 3, draft_s=0.001, verify_s=0.01, union=(3, 1))
+    learner.learn(step)
+    assert learner.model_accept == pytest.approx(1.5) and learner.model_len_seen == 3.0
+    assert learner.request_model("a", 5, step) == pytest.approx(((2 * 2.0 + 1) / 3, (2 * 5 + 3) / 3))

@@ -34,7 +34,7 @@ def drafter_for(name, model, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["suffix", "suffix-tree", "layerskip", "draft-model", "eagle3", "eagle3-tree",
-                                  "hvd-tau", "hvd-cost"])
+                                  "hvd-tau", "hvd-cost", "hvd-cost-union"])
 def test_greedy_speculative_is_token_identical(name, target, prompts, plain, tmp_path_factory):
     model, tok = target
     if name.startswith("hvd-"):  # suffix + EAGLE-3 drafts, chosen per step by the shipped predictor
@@ -54,8 +54,13 @@ def test_greedy_speculative_is_token_identical(name, target, prompts, plain, tmp
         assert max(s.accepted for s in steps) >= 3
     # batch 1 on a few prompts
     engine = Engine(model, drafters=drafters, policy=policy, max_batch=1, max_len=1024, num_draft_tokens=6)
+    alone = []
     for ids, want in list(zip(prompts, plain))[::5]:  # one per workload
-        assert engine.generate([ids], params)[0].output == want
+        req = engine.generate([ids], params)[0]
+        assert req.output == want
+        alone += req.stats.steps
+    if name == "hvd-cost-union":  # a lone request's union steps: both drafts as one tree
+        assert any(s.source == "union" and s.accepted > s.union[1] for s in alone)
 
 
 def test_speculative_sampling_preserves_the_distribution(tmp_path):
@@ -77,3 +82,26 @@ def test_speculative_sampling_preserves_the_distribution(tmp_path):
         # negative control: the greedy-only outputs are far from the target distribution
         greedy_b = int(exact.argmax())
         assert obs[greedy_b] < n * 0.95
+
+
+def test_a_union_tree_preserves_the_distribution(tmp_path):
+    """Both drafts as one tree (``Choice.also``: the cache draft joins the model drafter's) are
+    sampled by recursive rejection over the tree's children: the 2nd token keeps the target marginal."""
+    from hvd_ray.engine.engine import Choice
+
+    folder = make_tiny("llama", tmp_path / "m", vocab_size=12, seed=5)
+    model = Transformer.from_pretrained(folder, dtype=torch.float32)
+    model.setup_cache(8, 64)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    exact = second_token_marginal(model, prompt, 1.0)
+    cache, skip = SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn"), (2, "mlp")], min_prob=0.0)
+    engine = Engine(model, drafters=[cache, skip], max_batch=8, max_len=64, num_draft_tokens=4,
+                    policy=lambda req, eng: Choice(skip, also=cache.speculate(req.req_id, 4)))
+    n = 3000
+    reqs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
+                                          for s in range(n)])
+    steps = [s for r in reqs for s in r.stats.steps]
+    assert all(s.source == "union" for s in steps)
+    assert sum(s.accepted > s.union[1] for s in steps) > 100  # paths only the cache's branch had were taken
+    pvalue, obs = second_token_pvalue(reqs, exact)
+    assert pvalue > 1e-3, (obs, (exact * n).tolist())

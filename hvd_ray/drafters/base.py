@@ -35,6 +35,7 @@ class Draft:
     source: str = ""
     dists: torch.Tensor | None = None
     setup_s: float = field(default=0.0, compare=False)  # a timing, not part of what was drafted
+    marks: list[bool] | None = None  # a union's nodes that lie on its second draft (``union``)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -53,7 +54,38 @@ class Draft:
         """The first ``n`` tokens (a prefix in tree order is still a valid tree)."""
         dists = self.dists[:n] if self.dists is not None else None
         return Draft(self.token_ids[:n], self.parents[:n], self.probs[:n], self.score,
-                     self.match_len, self.source, dists, self.setup_s)
+                     self.match_len, self.source, dists, self.setup_s,
+                     self.marks[:n] if self.marks is not None else None)
+
+    @classmethod
+    def union(cls, first: "Draft", second: "Draft", source: str = "union") -> "Draft":
+        """Both drafts as one tree (a trie: a path the two share is one path), so one forward
+        verifies both for the tokens they differ in. ``marks[i]``: node i lies on ``second``. Drafts
+        sampled from a model (``dists``) cannot join: their rejection test needs a chain."""
+        if first.dists is not None or second.dists is not None:
+            raise ValueError("a sampled draft (with dists) cannot join a union tree")
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        node: dict[tuple[int, int], int] = {}  # (parent, token) -> index in the union
+        marks: list[bool] = []
+        for part, mark in ((first, False), (second, True)):
+            where: list[int] = []  # the part's node i -> its index in the union
+            for tok, par, p in zip(part.token_ids, part.parents, part.probs or [0.0] * len(part)):
+                key = (where[par] if par >= 0 else -1, tok)
+                i = node.get(key)
+                if i is None:
+                    i = node[key] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(key[0])
+                    probs.append(p)
+                    marks.append(mark)
+                else:
+                    probs[i] = max(probs[i], p)
+                    marks[i] = marks[i] or mark
+                where.append(i)
+        return cls(tokens, parents, probs, first.score, first.match_len, source, None,
+                   first.setup_s + second.setup_s, marks)
 
 
 @dataclass

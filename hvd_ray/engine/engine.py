@@ -47,12 +47,15 @@ class Choice:
     """A policy's decision for one request and step: which source drafts, optionally the draft
     itself (when the policy had to draft to decide), the predicted accepted length, and ``gains``:
     the expected accepted tokens with the draft cut to 0, 1, 2, ... tokens (a policy that prices its
-    drafts gives them, so the engine can size the batch's drafts together: ``costs.batch_lengths``)."""
+    drafts gives them, so the engine can size the batch's drafts together: ``costs.batch_lengths``);
+    ``also``: a draft already made (the cache's) that joins ``drafter``'s in one tree, verified in
+    the same forward (a lone request's union step: ``selection.policy.CostPolicy``)."""
 
     drafter: Drafter | None
     draft: Draft | None = None
     predicted: float | None = None
     gains: Sequence[float] | None = None
+    also: Draft | None = None  # a cache draft to verify with ``drafter``'s as one tree (``Draft.union``)
 
 
 def as_choice(x: "Choice | Drafter | None") -> Choice:
@@ -381,6 +384,8 @@ class Engine:
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None and not r.finished:
                 drafts[i] = c.draft.truncated(min(self.draft_budget(r, c.drafter), len(c.draft) if caps is None else caps[i]))
+                if c.also is not None:  # the cache draft first, so its nodes keep the cache's order
+                    drafts[i] = Draft.union(c.also, drafts[i])
         return drafts, [c.predicted for c in choices], capped
 
     def _propose(self, src: Drafter, reqs: list[Request], caps: Sequence[int] | None = None) -> list[Draft | None]:
@@ -447,11 +452,15 @@ class Engine:
                 path, nxt = verified[b]
                 emitted, accepted = [d.token_ids[i] for i in path] + [nxt], len(path)
             produced += len(emitted)
+            union = None  # a union step: (the model draft's tokens, how many of them were accepted)
+            if d.marks is not None and b not in settled:
+                on = next((n for n, i in enumerate(verified[b][0]) if not d.marks[i]), len(verified[b][0]))
+                union = (sum(d.marks), on)
             req.stats.steps.append(StepRecord(
                 d.source or "none", len(d), accepted, draft_s * shares[b], verify_s / B, predicted[b], capped=capped[b],
                 arm=self._arm if self.check is not None and B > 1 else None,
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
-                full_forward=b not in settled))
+                full_forward=b not in settled, union=union))
             try:
                 results.append(self._emit(req, emitted))
             except Exception as e:  # noqa: BLE001 - a drafter's accept: fail this request alone

@@ -64,6 +64,9 @@ class StepRecord:
     slim_regenerated: int = 0
     slim_escalated: int = 0
     full_forward: bool = True
+    # a union step (the cache's and the model drafter's drafts as one tree, source "union"): the
+    # model draft's tokens and how many of them the target accepted (what it alone would have got)
+    union: tuple[int, int] | None = None
 
     @property
     def plain(self) -> bool:

@@ -21,7 +21,9 @@ from .predictor import WEIGHTS_FILE, YieldPredictor
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_PREDICTOR = ASSETS / "predictor-smollm2"
 EAGLE3_ASSET = ASSETS / "eagle3-smollm2"
-POLICIES = ("tau", "cost", "score", "always-cache", "always-model")
+# cost-union: the cost policy that may also verify both drafts as one tree (CostPolicy's ``union``)
+POLICIES = ("tau", "cost", "cost-union", "score", "always-cache", "always-model")
+COST_POLICIES = ("cost", "cost-union")
 # The cost policy's cache drafts reach this many tokens past their match (SuffixDecoding's
 # max_spec_offset), while the path's probability stays >= min_token_prob, and the policy verifies
 # only the part that pays: on hardware where a 2-token forward costs twice a 1-token one, the
@@ -33,7 +35,7 @@ CACHE_OFFSET = 8
 def suffix_config(policy: str, **kw) -> SuffixConfig:
     """The suffix drafter's settings under ``policy``: arctic-inference's defaults, with drafts
     reaching ``CACHE_OFFSET`` past the match for the cost policy (which sizes what it verifies)."""
-    return SuffixConfig(max_spec_offset=CACHE_OFFSET if policy == "cost" else 0.0, **kw)
+    return SuffixConfig(max_spec_offset=CACHE_OFFSET if policy in COST_POLICIES else 0.0, **kw)
 
 
 def load_predictor(path: str | Path | None = None) -> YieldPredictor:
@@ -61,9 +63,9 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
     drafter = make_drafter(model_drafter, model, eagle3_head=eagle3_head, draft_model=draft_model, slots=slots,
                            max_len=max_len)
     flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)
-    if policy in ("tau", "cost"):
+    if policy in ("tau", *COST_POLICIES):
         g = load_predictor(predictor)
-        costs = measure_step_costs(model) if measure_costs and policy == "cost" else VERIFY_COST
+        costs = measure_step_costs(model) if measure_costs and policy in COST_POLICIES else VERIFY_COST
         if policy == "tau":
             pol: Policy = TauPolicy(g, cache, drafter, flags, tau=tau)
         elif model_drafter == "eagle3":
@@ -76,9 +78,9 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
             heldout = meta.get("heldout", {})
             accept = heldout.get("all_positions", heldout).get("mean_accepted_tokens_per_forward")
             pol = CostPolicy(g, cache, drafter, flags, model_token_cost=0.15, cost_table=costs,
-                             model_accept=(accept - 1.0) if accept else None)
+                             model_accept=(accept - 1.0) if accept else None, union=policy == "cost-union")
         else:
-            pol = CostPolicy(g, cache, drafter, flags, cost_table=costs)
+            pol = CostPolicy(g, cache, drafter, flags, cost_table=costs, union=policy == "cost-union")
     elif policy == "score":
         pol = ScoreRule(cache, drafter, flags, tau=tau)
     elif policy == "always-cache":

@@ -12,8 +12,9 @@ draft lengths), so the same code runs
   :func:`~hvd_ray.traces.simulate.simulate` (MAT / forwards per 1k tokens / estimated cost of each
   policy on labelled traces).
 
-Choices are ``"cache"`` (verify the suffix draft), ``"model"`` (ask the model drafter) and
-``"none"`` (plain decoding step).
+Choices are ``"cache"`` (verify the suffix draft), ``"model"`` (ask the model drafter),
+``"none"`` (plain decoding step) and, for the cost policy with ``union``, ``"union"`` (both drafts as
+one tree in one forward).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..engine.request import Request
     from .predictor import YieldPredictor
 
-CACHE, MODEL, NONE = "cache", "model", "none"
+CACHE, MODEL, NONE, UNION = "cache", "model", "none", "union"
 
 # One target forward scoring k tokens, relative to k = 1 (docs/design.md: SmolLM2-135M, bf16, 2 threads,
 # an Intel box with bf16 instructions). Offline simulation's default; online, the cost policy uses
@@ -70,6 +71,7 @@ class StepView:
     batch: int = 1
     take: int | None = None
     cache_probs: Sequence[float] = ()  # the long cache draft's per-token probabilities (tree counts)
+    take_union: int | None = None  # with a union: how many cache draft tokens join the model's draft
 
 
 def verify_cost(k: int, table: dict[int, float] = VERIFY_COST) -> float:
@@ -81,6 +83,34 @@ def verify_cost(k: int, table: dict[int, float] = VERIFY_COST) -> float:
 def draft_budget(req: "Request", engine: "Engine") -> int:
     """The engine's draft budget for ``req`` this step (the cap it truncates every draft to)."""
     return engine.draft_budget(req)
+
+
+def model_curve(m: float, k: float) -> list[float]:
+    """P(the model draft's first j tokens are all accepted), j = 1..k, for a draft of ``k`` tokens
+    of which ``m`` are accepted on average: one per-token rate ``a`` with ``a + a^2 + ... + a^k = m``
+    (the mean is all the policy measures of the model drafter)."""
+    k = max(1, round(k))
+    if m >= k:
+        return [1.0] * k
+    lo, hi = 0.0, 1.0
+    for _ in range(30):  # the sum grows with a: bisect
+        mid = (lo + hi) / 2
+        if sum(mid ** j for j in range(1, k + 1)) < m:
+            lo = mid
+        else:
+            hi = mid
+    return [lo ** j for j in range(1, k + 1)]
+
+
+def union_yield(cache: Sequence[float], model: Sequence[float]) -> float:
+    """Expected accepted tokens of two drafts verified as one tree (the deeper accepted path), from
+    each one's P(first j tokens accepted): P(either) per depth, taking the two as independent. Past
+    the depth where they part they are exact (disjoint: both cannot match the target); before it they
+    are one path and this overrates the union a little, but there the union costs no extra tokens."""
+    n = max(len(cache), len(model))
+    pc = list(cache) + [0.0] * (n - len(cache))
+    pm = list(model) + [0.0] * (n - len(model))
+    return sum(1.0 - (1.0 - a) * (1.0 - b) for a, b in zip(pc, pm))
 
 
 def extended(y: float, L0: int, take: int) -> float:
@@ -180,9 +210,12 @@ class Policy(abc.ABC):
         draft = self.cache.speculate(req.req_id, engine.draft_budget(req, self.cache), offset=0.0)
         return Choice(self.cache, draft.truncated(unextended(draft, self.cache)))
 
-    def _choice(self, choice: str, predicted: float | None, draft: Draft, take: int | None = None) -> Choice:
+    def _choice(self, choice: str, predicted: float | None, draft: Draft, take: int | None = None,
+                take_union: int | None = None) -> Choice:
         if choice == CACHE:
             return Choice(self.cache, draft if take is None else draft.truncated(take), predicted)
+        if choice == UNION and self.model is not None:
+            return Choice(self.model, None, predicted, also=draft.truncated(take_union or len(draft)))
         if choice == MODEL and self.model is not None:
             return Choice(self.model, None, predicted)
         return Choice(None, None, predicted)
@@ -279,6 +312,13 @@ class CostPolicy(Policy):
     steps that verified a cache draft: the cache draft made to decide is compared with the tokens
     the step emitted (exact for greedy decoding; a lower bound when it matched them all), so a tree
     that fell out of favour after one bad draft is re-measured at once instead of never again.
+
+    ``union`` (a lone request only): a fourth choice, both drafts as one tree in one forward. Its
+    yield is ``union_yield`` of the cache draft's and the model draft's per-depth acceptance (the
+    cache's estimate spread over its tree probabilities, the model's mean as a constant per-token
+    rate); it pays where the cache draft is doubtful and the model draft is cheap: the cache part
+    costs verified tokens only, no drafting and no second forward. The model side learns from a
+    union step what its own draft got (``StepRecord.union``).
     """
 
     name = "cost"
@@ -286,8 +326,10 @@ class CostPolicy(Policy):
     def __init__(self, predictor: "YieldPredictor", cache=None, model=None, flags=None, *,
                  cost_table: "dict[int, float] | StepCosts" = VERIFY_COST,
                  model_token_cost: float = LAYERSKIP_TOKEN_COST,
-                 model_accept: float | None = None, adapt: float = 0.05, prior_steps: float = 2.0):
+                 model_accept: float | None = None, adapt: float = 0.05, prior_steps: float = 2.0,
+                 union: bool = False):
         super().__init__(cache, model, flags)
+        self.union = union
         self.costs = cost_table if isinstance(cost_table, StepCosts) else StepCosts(dict(cost_table))
         self.table = self.costs.table
         self.predictor, self.model_token_cost = predictor, model_token_cost
@@ -367,11 +409,8 @@ class CostPolicy(Policy):
         r = {NONE: B / c(1)}
         if view.cache_len > 0:
             y = max(y, 0.0) * self.cache_scale.get(tree, 1.0)
-            longest = max(view.cache_long, view.cache_len)
             best = None
-            # (under load also a short prefix: a doubtful draft may pay for its first token or two only)
-            short = {n for n in (1, 2) if n < view.cache_len} if B > 1 else set()
-            for take in sorted({view.cache_len, longest} | short | {n for n in (4, 8, 16, 32) if view.cache_len < n < longest}):
+            for take in self._takes(view, B):
                 rate = (B + self.cache_yield(y, view, take, tree)) / c(1 + take)
                 if best is None or rate > best[0]:
                     best = (rate, take)
@@ -384,7 +423,47 @@ class CostPolicy(Policy):
             draft = self.model_draft_cost if self.model_draft_cost is not None else k * self.model_token_cost
             m = self.model_accept if model_accept is None else model_accept
             r[MODEL] = (B + min(m, kk)) / (c(1 + kk) + draft)
+            if self.union and B == 1 and view.cache_len > 0:
+                curve = model_curve(m, kk)
+                best = None
+                for take in self._takes(view, 2):  # (a short prefix too: it costs no drafting here)
+                    rate = (1 + union_yield(self.cache_curve(y, view, take, tree), curve)) / (c(1 + take + kk) + draft)
+                    if best is None or rate > best[0]:
+                        best = (rate, take)
+                r[UNION] = best[0]
+                view.take_union = best[1]
         return r
+
+    @staticmethod
+    def _takes(view: StepView, batch: int) -> list[int]:
+        """The cache draft lengths the policy prices: the nominal and the longest draft, powers of two
+        between them and, under load, a short prefix (a doubtful draft may pay for a token or two)."""
+        longest = max(view.cache_long, view.cache_len)
+        short = {n for n in (1, 2) if n < view.cache_len} if batch > 1 else set()
+        return sorted({view.cache_len, longest} | short | {n for n in (4, 8, 16, 32) if view.cache_len < n < longest})
+
+    def cache_curve(self, y: float, view: StepView, take: int, key: str | None) -> list[float]:
+        """P(the cache draft's first j tokens are all accepted), j = 1..take: its expected yield
+        (``cache_yield``; ``y`` calibrated) spread over the depths as its tree probabilities (each a
+        path's probability, so falling along the draft) fall, each at most 1."""
+        probs = [float(p) for p in view.cache_probs[:take]]
+        mass = sum(probs)
+        if mass <= 0:
+            return []
+        k = self.cache_yield(y, view, take, key) / mass
+        return [min(1.0, p * k) for p in probs]
+
+    def model_step(self, rec) -> tuple[int, int] | None:
+        """(accepted, drafted) of the model drafter's own draft in step ``rec``: a model step's, or
+        the model part of a union step's; None for other steps and for a draft the batch's sizing cut
+        (it says little about the drafter, and would talk the next cut down)."""
+        if self.model is None or rec.capped:
+            return None
+        if rec.source == self.model.name:
+            return rec.accepted, rec.drafted
+        if rec.union is not None:
+            return rec.union[1], rec.union[0]
+        return None
 
     def learn(self, rec) -> None:
         """Fold one measured step (``engine.request.StepRecord``) into the model-side estimates."""
@@ -394,9 +473,10 @@ class CostPolicy(Policy):
         ema = lambda old, x: x if old is None else (1 - a) * old + a * x  # noqa: E731
         if rec.verify_s > 0:
             self.forward_s = ema(self.forward_s, rec.verify_s / self.costs.per_row(1 + rec.drafted, self._batch))
-        if self.model is not None and rec.source == self.model.name and not rec.capped:
-            self.model_accept = ema(self.model_accept, float(rec.accepted))
-            self.model_len_seen = ema(self.model_len_seen, float(rec.drafted))
+        own = self.model_step(rec)
+        if own is not None:
+            self.model_accept = ema(self.model_accept, float(own[0]))
+            self.model_len_seen = ema(self.model_len_seen, float(own[1]))
             if self.forward_s:
                 # Start from the prior and clip outliers: the first model draft of a request also
                 # runs the head over its prompt (EAGLE-3's lazy catch-up, charged to this request
@@ -483,11 +563,11 @@ class CostPolicy(Policy):
             st = self._per_req[req_id] = [0.0, 0.0, 0.0]  # model steps, accepted, drafted
             while len(self._per_req) > 4096:  # finished requests age out
                 self._per_req.popitem(last=False)
-        # a draft the batch cap cut says little about the drafter (and would talk the next cap down)
-        if rec is not None and self.model is not None and rec.source == self.model.name and not rec.capped:
+        own = self.model_step(rec) if rec is not None else None
+        if own is not None:
             st[0] += 1
-            st[1] += rec.accepted
-            st[2] += rec.drafted
+            st[1] += own[0]
+            st[2] += own[1]
         if self.adapt == 0.0:
             return self.model_accept, None
         w = self.prior_steps + st[0]
@@ -507,7 +587,7 @@ class CostPolicy(Policy):
             est = self.cache_yield(max(y, 0.0) * self.cache_scale.get(key, 1.0), view, view.cache_len, key)
             self.audit.append((req.req_id, len(req.output), y, est, view.cache_len, long))
         self.remember(req.req_id, long, y, key, len(req.output), view)
-        out = self._choice(choice, y, long, view.take)
+        out = self._choice(choice, y, long, view.take, view.take_union)
         if view.batch > 1:  # a lone request's draft is already sized (view.take)
             out.gains = self.gains(choice, view, y, key, m)
         return out
@@ -562,5 +642,5 @@ class OraclePolicy(Policy):
 
 
 __all__ = ["AlwaysCache", "AlwaysModel", "CACHE", "CostPolicy", "LAYERSKIP_TOKEN_COST", "MODEL",
-           "NONE", "OraclePolicy", "Policy", "ScoreRule", "StepView", "TauPolicy", "VERIFY_COST",
+           "NONE", "UNION", "OraclePolicy", "Policy", "ScoreRule", "StepView", "TauPolicy", "VERIFY_COST",
            "draft_budget", "matched", "nominal", "verify_cost"]
