@@ -30,8 +30,8 @@ class EngineSpec:
     """Every option that decides how an engine decodes (plain values: it travels to Ray actors)."""
 
     drafter: str = _opt("none", "none | hvd | suffix | eagle3 | layerskip | draft-model")
-    policy: str = _opt("cost", "with drafter hvd: cost | cost-union (may verify both drafts as one tree) | tau | score | "
-                                "always-cache | always-model")
+    policy: str = _opt("cost-union", "with drafter hvd: cost-union (the cost rule; a lone request may verify both "
+                                      "drafts as one tree) | cost (choose one) | tau | score | always-cache | always-model")
     model_drafter: str = _opt("eagle3", "with drafter hvd: eagle3 (the shipped head for the default model) | "
                               "layerskip | draft-model | none")
     predictor: str | None = _opt(None, "with drafter hvd: yield predictor artifact (default: the shipped one)")

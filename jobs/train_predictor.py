@@ -290,7 +290,8 @@ def train(a: argparse.Namespace) -> dict:
     for regime in sorted(set(test_all.column("regime").to_pylist())):
         labs = trace_labels_from_table(test_all.filter(pc.equal(test_all.column("regime"), regime)))
         pols = {"always-cache": AlwaysCache(), "always-model": AlwaysModel(), f"score>{a.tau:g}": ScoreRule(tau=a.tau),
-                f"tau>{a.tau:g}": TauPolicy(pred, tau=a.tau), "cost": CostPolicy(pred), "oracle": OraclePolicy()}
+                f"tau>{a.tau:g}": TauPolicy(pred, tau=a.tau), "cost": CostPolicy(pred),
+                "cost-union": CostPolicy(pred, union=True), "oracle": OraclePolicy()}
         report["policies_by_regime"][regime] = {name: simulate(labs, p, model_depth=depth) for name, p in pols.items()}
     report["policies_test"] = report["policies_by_regime"].get("cold", {})
     (out / "report.json").write_text(json.dumps(report, indent=1))

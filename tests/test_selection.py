@@ -194,6 +194,21 @@ def test_offline_simulation_on_labels():
     assert res["cache"]["cache_share"] == 1 and res["model"]["model_share"] == 1
     assert simulate(traces, AlwaysModel(), model_depth=0)["mean_accepted_per_forward"] == 1.0  # no drafter
 
+    class AlwaysUnion(AlwaysCache):
+        def decide(self, view):
+            return "union", None
+
+    for tl in traces:  # a union step gains the deeper of its two drafts' labels, and pays for both
+        path = []
+        one = simulate_trace(tl, AlwaysUnion(), model_depth=DEPTH, path=path)
+        assert all(acc == max(tl.y_cache[t], tl.y_model[t]) for t, _, acc in path)
+        from hvd_ray.selection.policy import LAYERSKIP_TOKEN_COST
+
+        want = sum(verify_cost(1 + tl.cache_len[t] + tl.model_len[t]) + tl.model_len[t] * LAYERSKIP_TOKEN_COST
+                   for t, *_ in path)
+        assert one.union_steps == one.steps and one.cost == pytest.approx(want)
+    assert simulate(traces, AlwaysUnion(), model_depth=DEPTH)["union_share"] == 1
+
 
 def write_labels(tmp_path: Path) -> Path:
     """The tiny traces' labels, cold and repeated (``label_traces.py --repeat``)."""

@@ -4,7 +4,9 @@ Each trace's labels (``LABEL_SCHEMA``, from replay.py) say, at every position, h
 model drafts were and how many of their tokens the target accepted; :func:`simulate_trace` walks a
 decoding run choosing with :meth:`~hvd_ray.selection.policy.Policy.decide` and prices it with the
 verify-cost table, so policies are compared on MAT, forwards per 1k tokens and estimated cost
-without running the target.
+without running the target. A union step (both drafts as one tree) gains the larger of the two
+labels, exactly what greedy verification of the tree accepts, and pays for both drafts' tokens
+(an upper bound: a path the two share is verified once).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Sequence
 import numpy as np
 
 from ..selection.features import with_history
-from ..selection.policy import CACHE, LAYERSKIP_TOKEN_COST, MODEL, NONE, VERIFY_COST, Policy, StepView, verify_cost
+from ..selection.policy import (CACHE, LAYERSKIP_TOKEN_COST, MODEL, NONE, UNION, VERIFY_COST, Policy, StepView,
+                                verify_cost)
 
 
 @dataclass
@@ -38,12 +41,13 @@ class SimResult:
     steps: int = 0  # decode (verify) forwards
     cache_steps: int = 0
     model_steps: int = 0
+    union_steps: int = 0  # both drafts as one tree (CostPolicy's ``union``)
     accepted: int = 0  # draft tokens accepted (within the trace)
     cost: float = 0.0  # decode cost in units of a 1-token target forward (verify + model drafting)
     predicted: list[float] = field(default_factory=list)
 
     def add(self, o: "SimResult") -> None:
-        for k in ("traces", "tokens", "steps", "cache_steps", "model_steps", "accepted", "cost"):
+        for k in ("traces", "tokens", "steps", "cache_steps", "model_steps", "union_steps", "accepted", "cost"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         self.predicted += o.predicted
 
@@ -60,6 +64,7 @@ class SimResult:
             "forwards_per_1k_tokens": 1000.0 * (self.steps + self.traces) / self.tokens if self.tokens else 0.0,
             "cache_share": self.cache_steps / self.steps if self.steps else 0.0,
             "model_share": self.model_steps / self.steps if self.steps else 0.0,
+            "union_share": self.union_steps / self.steps if self.steps else 0.0,
             "cost_per_token": self.cost / decode_tokens if decode_tokens else 0.0,
             "est_speedup_vs_greedy": decode_tokens / self.cost if self.cost else 0.0,
         }
@@ -84,6 +89,11 @@ def simulate_trace(lab: TraceLabels, policy: Policy, *, model_depth: int,
             acc, k = int(lab.y_cache[t]), int(lab.cache_len[t])
             res.cache_steps += 1
             res.cost += verify_cost(1 + k, cost_table)
+        elif choice == UNION and model_depth > 0:  # the deeper accepted path of the two; their tokens, both
+            k_c = min(int(lab.cache_len[t]), view.take_union or int(lab.cache_len[t]))
+            acc, k = max(min(int(lab.y_cache[t]), k_c), int(lab.y_model[t])), k_c + int(lab.model_len[t])
+            res.union_steps += 1
+            res.cost += verify_cost(1 + k, cost_table) + int(lab.model_len[t]) * model_token_cost
         elif choice == MODEL and model_depth > 0:
             acc, k = int(lab.y_model[t]), int(lab.model_len[t])
             res.model_steps += 1
@@ -93,7 +103,7 @@ def simulate_trace(lab: TraceLabels, policy: Policy, *, model_depth: int,
             res.cost += verify_cost(1, cost_table)
         if pred is not None:
             res.predicted.append(pred)
-        hist.append((choice == CACHE, acc))
+        hist.append((choice == CACHE, acc))  # (a union step counts as a model step in φ's history)
         if path is not None:
             path.append((t, choice, acc))
         gained = min(acc + 1, lab.n - t)
