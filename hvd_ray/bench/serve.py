@@ -114,7 +114,8 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         f"Machine: {machine_line()}  ",
         f"Server: one replica, SmolLM2-135M-Instruct {DTYPE_NAMES[args.dtype]}, drafter `{drafter}`"
         + (f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
-           + (" + shipped EAGLE-3 head, cost policy)" if drafter == "hvd" else ")") if drafter in ("hvd", "suffix") else "")
+           + (f" + shipped EAGLE-3 head, `{ServingConfig().policy}` policy)" if drafter == "hvd" else ")")
+           if drafter in ("hvd", "suffix") else "")
         + f", max_batch 8, {ServingConfig(torch_threads=threads).threads()} torch threads"
         + (" (the serving default: all cores but one)" if threads is None else "")
         + f"; greedy, up to {args.max_tokens} new tokens; "

@@ -105,8 +105,10 @@ def model_curve(m: float, k: float) -> list[float]:
 def union_yield(cache: Sequence[float], model: Sequence[float]) -> float:
     """Expected accepted tokens of two drafts verified as one tree (the deeper accepted path), from
     each one's P(first j tokens accepted): P(either) per depth, taking the two as independent. Past
-    the depth where they part they are exact (disjoint: both cannot match the target); before it they
-    are one path and this overrates the union a little, but there the union costs no extra tokens."""
+    the depth where they part the two are disjoint (both cannot match the target), so the union is
+    worth a little more than this; before it they are one path, where this overrates the union,
+    but there the union verifies no extra tokens. (Where they part is known only once the model has
+    drafted; the choice is made before.)"""
     n = max(len(cache), len(model))
     pc = list(cache) + [0.0] * (n - len(cache))
     pm = list(model) + [0.0] * (n - len(model))
