@@ -385,8 +385,9 @@ class Engine:
             if c.draft is not None and not r.finished:
                 drafts[i] = c.draft.truncated(min(self.draft_budget(r, c.drafter), len(c.draft) if caps is None else caps[i]))
                 if c.also is not None:  # the cache draft first, so its nodes keep the cache's order
-                    room = self.max_len - self.model.cache.lengths[r.slot] - 1  # both within the KV slot
-                    drafts[i] = Draft.union(c.also, drafts[i]).truncated(max(0, room))
+                    # (it fits the slot: the cache part is within the tokens still to come, the model
+                    # part within num_draft_tokens, and check_fits left room for both)
+                    drafts[i] = Draft.union(c.also, drafts[i])
         return drafts, [c.predicted for c in choices], capped
 
     def _propose(self, src: Drafter, reqs: list[Request], caps: Sequence[int] | None = None) -> list[Draft | None]:
