@@ -64,7 +64,7 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
                            max_len=max_len)
     flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)
     if policy in ("tau", *COST_POLICIES):
-        g = load_predictor(predictor)
+        g, union = load_predictor(predictor), policy == "cost-union"
         costs = measure_step_costs(model) if measure_costs and policy in COST_POLICIES else VERIFY_COST
         if policy == "tau":
             pol: Policy = TauPolicy(g, cache, drafter, flags, tau=tau)
@@ -78,9 +78,9 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
             heldout = meta.get("heldout", {})
             accept = heldout.get("all_positions", heldout).get("mean_accepted_tokens_per_forward")
             pol = CostPolicy(g, cache, drafter, flags, model_token_cost=0.15, cost_table=costs,
-                             model_accept=(accept - 1.0) if accept else None, union=policy == "cost-union")
+                             model_accept=(accept - 1.0) if accept else None, union=union)
         else:
-            pol = CostPolicy(g, cache, drafter, flags, cost_table=costs, union=policy == "cost-union")
+            pol = CostPolicy(g, cache, drafter, flags, cost_table=costs, union=union)
     elif policy == "score":
         pol = ScoreRule(cache, drafter, flags, tau=tau)
     elif policy == "always-cache":

@@ -412,7 +412,7 @@ class CostPolicy(Policy):
         if view.cache_len > 0:
             y = max(y, 0.0) * self.cache_scale.get(tree, 1.0)
             best = None
-            for take in self._takes(view, B):
+            for take in self._takes(view, short=B > 1):
                 rate = (B + self.cache_yield(y, view, take, tree)) / c(1 + take)
                 if best is None or rate > best[0]:
                     best = (rate, take)
@@ -428,7 +428,7 @@ class CostPolicy(Policy):
             if self.union and B == 1 and view.cache_len > 0:
                 curve = model_curve(m, kk)
                 best = None
-                for take in self._takes(view, 2):  # (a short prefix too: it costs no drafting here)
+                for take in self._takes(view, short=True):  # a short prefix too: it costs no drafting here
                     rate = (1 + union_yield(self.cache_curve(y, view, take, tree), curve)) / (c(1 + take + kk) + draft)
                     if best is None or rate > best[0]:
                         best = (rate, take)
@@ -437,12 +437,13 @@ class CostPolicy(Policy):
         return r
 
     @staticmethod
-    def _takes(view: StepView, batch: int) -> list[int]:
+    def _takes(view: StepView, short: bool) -> list[int]:
         """The cache draft lengths the policy prices: the nominal and the longest draft, powers of two
-        between them and, under load, a short prefix (a doubtful draft may pay for a token or two)."""
+        between them and, with ``short`` (under load; in a union), a prefix of 1 or 2 tokens (a
+        doubtful draft may pay for a token or two)."""
         longest = max(view.cache_long, view.cache_len)
-        short = {n for n in (1, 2) if n < view.cache_len} if batch > 1 else set()
-        return sorted({view.cache_len, longest} | short | {n for n in (4, 8, 16, 32) if view.cache_len < n < longest})
+        few = {n for n in (1, 2) if n < view.cache_len} if short else set()
+        return sorted({view.cache_len, longest} | few | {n for n in (4, 8, 16, 32) if view.cache_len < n < longest})
 
     def cache_curve(self, y: float, view: StepView, take: int, key: str | None) -> list[float]:
         """P(the cache draft's first j tokens are all accepted), j = 1..take: its expected yield
