@@ -1,8 +1,8 @@
-"""Triton kernels (``kernels/``) against their torch references.
+"""Triton kernels (``hvd_ray/kernels/``) against their torch references.
 
 The kernels run on CPU tensors under ``TRITON_INTERPRET=1`` in one subprocess, so the interpreter
 setting (read when Triton compiles a kernel) never reaches the other tests of this pytest process;
-``kernels.checks`` holds the checks, which ``kernels/check_gpu.py`` runs on a GPU as well. The
+``hvd_ray.kernels.checks`` holds the checks, which ``hvd_ray/kernels/check_gpu.py`` runs on a GPU as well. The
 torch side (references, CPU dispatch, the engine functions they must agree with) runs in process.
 """
 
@@ -24,11 +24,11 @@ CHECK_NAMES = ["greedy", "greedy_ties", "tree", "rejection", "rejection_distribu
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str | None]:
-    """``kernels.checks.run_checks`` under the Triton interpreter: ``{check: None | error}``."""
+    """``hvd_ray.kernels.checks.run_checks`` under the Triton interpreter: ``{check: None | error}``."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install triton): the kernels cannot be interpreted")
     code = ("import json, torch; torch.set_num_threads(1)\n"
-            "from kernels.checks import Setup, run_checks\n"
+            "from hvd_ray.kernels.checks import Setup, run_checks\n"
             "print('RESULTS ' + json.dumps(run_checks(Setup(samples=200))))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -52,7 +52,7 @@ def test_kernels_compile_for_a_cuda_gpu():
     """GPU code generation (PTX, then cubin for sm_90 through Triton's bundled ptxas), no GPU needed:
     catches what the interpreter cannot, e.g. a loop-carried value changing type."""
     pytest.importorskip("triton", reason="triton is not installed")
-    from kernels.checks import compile_for_cuda
+    from hvd_ray.kernels.checks import compile_for_cuda
 
     done = compile_for_cuda(90, dtypes=("fp32", "bf16"))
     assert len(done) == 10, done
@@ -65,7 +65,7 @@ def test_interpreter_setting_does_not_leak():
 # --- the torch side, in process ---------------------------------------------------------------
 
 def test_cpu_dispatch_runs_the_references():
-    import kernels
+    from hvd_ray import kernels
     from hvd_ray.verification import greedy_accept_chain_batch, greedy_accept_tree
 
     g = torch.Generator().manual_seed(0)
@@ -85,12 +85,12 @@ def test_cpu_dispatch_runs_the_references():
 
 
 def test_greedy_references_walk_like_the_engine():
-    """kernels keep torch references of their own (they import nothing from hvd_ray): random chains
+    """kernels keep torch references of their own (they import nothing else from hvd_ray): random chains
     and trees, tied logits and duplicate sibling tokens included, give the engine's walks."""
     from hvd_ray.verification import greedy_walk
     from hvd_ray.verification.greedy import greedy_accept_chain
 
-    from kernels import verify_greedy_torch, verify_tree_torch
+    from hvd_ray.kernels import verify_greedy_torch, verify_tree_torch
 
     g = torch.Generator().manual_seed(3)
     for trial in range(60):
@@ -115,7 +115,7 @@ def test_rejection_reference_accepts_like_the_engine(with_q):
     """Same generator, same uniforms for the accept tests: the accepted count is the engine's."""
     from hvd_ray.verification import rejection_sample_chain
 
-    from kernels import verify_rejection_torch
+    from hvd_ray.kernels import verify_rejection_torch
 
     g = torch.Generator().manual_seed(3)
     V = 40
@@ -139,16 +139,16 @@ def test_rejection_reference_accepts_like_the_engine(with_q):
 
 
 def test_rejection_reference_distribution():
-    from kernels import verify_rejection_torch
-    from kernels.checks import Setup, rejection_distribution
+    from hvd_ray.kernels import verify_rejection_torch
+    from hvd_ray.kernels.checks import Setup, rejection_distribution
 
     rejection_distribution(verify_rejection_torch, Setup(), n=100_000)
 
 
 def test_chi_square_check_catches_a_wrong_sampler():
     """The distribution check has teeth: ignoring the draft distributions biases the output."""
-    from kernels import verify_rejection_torch
-    from kernels.checks import Setup, rejection_distribution
+    from hvd_ray.kernels import verify_rejection_torch
+    from hvd_ray.kernels.checks import Setup, rejection_distribution
 
     def wrong(p, d, lens, au, su, q):
         return verify_rejection_torch(p, d, lens, au, su, None if q is None else torch.full_like(q, 1 / q.shape[-1]))
@@ -160,7 +160,7 @@ def test_chi_square_check_catches_a_wrong_sampler():
 def test_compact_reference_equals_kvcache_compact():
     from hvd_ray.model.transformer import KVCache, ModelConfig
 
-    from kernels import compact_kv, compact_kv_torch
+    from hvd_ray.kernels import compact_kv, compact_kv_torch
 
     cfg = ModelConfig(vocab_size=10, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=8, intermediate_size=8)
     cache = KVCache(cfg, 3, 32, torch.float32, torch.device("cpu"))
@@ -182,25 +182,50 @@ def test_compact_reference_equals_kvcache_compact():
 
 
 def test_package_name_shadows_nothing():
-    """Our top-level ``kernels`` must not pass for Hugging Face's ``kernels`` distribution."""
-    from transformers.utils import import_utils
-
+    """Ours is ``hvd_ray.kernels``: a top-level ``kernels`` is Hugging Face's distribution (which
+    transformers imports) or nothing, never this repository's code."""
+    spec = importlib.util.find_spec("hvd_ray.kernels")
+    assert spec is not None and Path(spec.origin).parent == ROOT / "hvd_ray" / "kernels"
+    assert not (ROOT / "kernels").exists()
     spec = importlib.util.find_spec("kernels")
-    assert spec is not None and Path(spec.origin).parent == ROOT / "kernels"
-    assert not import_utils.is_kernels_available()
+    assert spec is None or "site-packages" in Path(spec.origin).parts, spec.origin
+
+
+def test_nothing_imports_a_top_level_kernels():
+    """Every import of ours names ``hvd_ray.kernels``: a stale ``from kernels import ...`` would reach
+    Hugging Face's package, and only on CUDA (where the engine calls the kernels), so no CPU test runs it."""
+    import ast
+
+    bad = []
+    for d in ("hvd_ray", "tests", "jobs"):
+        for p in sorted((ROOT / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                bad += [f"{p.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] == "kernels"]
+    assert not bad, "imports of a top-level kernels:\n" + "\n".join(bad)
+
+
+def test_transformers_imports_its_hub_kernels():
+    """transformers' hub-kernels integration imports Hugging Face's ``kernels`` (from 5.25 it requires
+    it): our old top-level ``kernels`` package shadowed it, and that import failed."""
+    if importlib.util.find_spec("transformers.integrations.hub_kernels") is None:
+        pytest.skip("this transformers has no hub-kernels integration")
+    importlib.import_module("transformers.integrations.hub_kernels")
 
 
 def test_importing_the_package_is_cheap():
-    """``import kernels`` (as transformers' availability probe may do) does not load Triton."""
-    code = "import sys, kernels; assert 'triton' not in sys.modules; kernels.verify_greedy; print('ok')"
+    """``import hvd_ray.kernels`` (the verify functions import it lazily) does not load Triton."""
+    code = ("import sys, hvd_ray.kernels as kn; assert 'triton' not in sys.modules; kn.verify_greedy; "
+            "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_check_gpu_without_cuda_exits_cleanly():
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: run kernels/check_gpu.py itself")
-    proc = subprocess.run([sys.executable, str(ROOT / "kernels" / "check_gpu.py")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+        pytest.skip("a CUDA device is present: run hvd_ray/kernels/check_gpu.py itself")
+    proc = subprocess.run([sys.executable, str(ROOT / "hvd_ray" / "kernels" / "check_gpu.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device" in proc.stdout

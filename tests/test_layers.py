@@ -1,4 +1,4 @@
-"""The package's layers (docs/design.md "Layers"): every module of ``hvd_ray/`` and ``kernels/`` imports only
+"""The package's layers (docs/design.md "Layers"): every module of ``hvd_ray/`` imports only
 from its own layer or lower ones, and no two modules import each other, directly or round a loop.
 
 Read with ``ast``, so every import counts: inside functions and under ``if TYPE_CHECKING`` too
@@ -39,10 +39,10 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(mod: str) -> tuple[str, int]:
-    """(layer key, layer) of a module: its ``hvd_ray`` subpackage, else its own name or package."""
-    parts = mod.split(".")
-    key = (parts[1] if len(parts) > 1 else "hvd_ray") if parts[0] == "hvd_ray" else \
-        (mod if mod in LAYERS else parts[0])
+    """(layer key, layer) of a module: its own name below ``hvd_ray`` if that has a layer (a script
+    such as ``kernels.check_gpu``), else its ``hvd_ray`` subpackage (``hvd_ray`` itself for the top)."""
+    rel = mod.partition(".")[2] or mod
+    key = rel if rel in LAYERS else rel.split(".")[0]
     if key not in LAYERS:
         raise KeyError(f"module {mod} is in no layer: add it to LAYERS (and docs/design.md's Layers)")
     return key, LAYERS[key]
@@ -73,7 +73,7 @@ def imports(path: Path, modules: set[str]) -> list[tuple[int, str]]:
 
 def graph() -> tuple[dict[str, list[tuple[int, str]]], dict[str, Path]]:
     """The module graph ``{module: [(line, imported module)]}`` and each module's file."""
-    files = {module_name(p): p for d in ("hvd_ray", "kernels") for p in sorted((ROOT / d).rglob("*.py"))}
+    files = {module_name(p): p for p in sorted((ROOT / "hvd_ray").rglob("*.py"))}
     return {mod: [(line, m) for line, m in imports(p, set(files)) if m != mod] for mod, p in files.items()}, files
 
 
@@ -119,5 +119,5 @@ def test_the_graph_sees_hidden_imports():
     edges, _ = graph()
     deps = {m for _, m in edges["hvd_ray.engine.engine"]}
     assert {"hvd_ray.verification", "hvd_ray.drafters.base", "hvd_ray.engine.request"} <= deps
-    assert "kernels" in {m for _, m in edges["hvd_ray.model.transformer"]}  # imported inside a method
+    assert "hvd_ray.kernels" in {m for _, m in edges["hvd_ray.model.transformer"]}  # imported inside a method
     assert all(layer_of(m) for m in edges)  # every module has a layer

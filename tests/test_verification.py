@@ -392,7 +392,7 @@ def test_the_check_catches_wrong_samplers(step):
 
 
 def test_engine_device_walks_equal_greedy_walk():
-    """The engine's batched verify (``kernels.verify_tree`` on CUDA; its torch reference here) returns
+    """The engine's batched verify (``hvd_ray.kernels.verify_tree`` on CUDA; its torch reference here) returns
     what ``greedy_walk`` returns for every request of a padded batch of chains and trees."""
     from hvd_ray.drafters.base import Draft
     from hvd_ray.engine.engine import Engine

@@ -599,10 +599,10 @@ class Engine:
 
     @staticmethod
     def device_walks(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], int]]:
-        """Greedy verification of the whole batch on the logits' device with ``kernels.verify_tree``
+        """Greedy verification of the whole batch on the logits' device with ``hvd_ray.kernels.verify_tree``
         (Triton on CUDA, its torch reference elsewhere): ``(accepted path, bonus token)`` per draft,
         what ``greedy_walk`` returns, without materialising the argmax of every row."""
-        from kernels import verify_tree
+        from ..kernels import verify_tree
 
         B, N = logits.shape[0], logits.shape[1] - 1
         toks = torch.zeros(B, N, dtype=torch.long)

@@ -337,7 +337,7 @@ class KVCache:
         if len(self.tokens[slot]) > start:
             del self.tokens[slot][start:]
         if list(keep) != list(range(n)) and self.k[0].device.type == "cuda":
-            from kernels import compact_kv  # Triton: in place, one launch per layer, no gathered copy
+            from ..kernels import compact_kv  # Triton: in place, one launch per layer, no gathered copy
 
             compact_kv(self.k, self.v, [slot], [start], [keep])
         elif list(keep) != list(range(n)):

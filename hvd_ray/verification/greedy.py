@@ -29,7 +29,7 @@ def greedy_accept_chain(target_logits: torch.Tensor, draft_tokens: Sequence[int]
     if target_logits.shape[0] != len(draft) + 1:
         raise ValueError(f"need {len(draft) + 1} logit rows, got {target_logits.shape[0]}")
     if target_logits.device.type == "cuda":  # Triton kernel: reads rows only up to the first mismatch
-        from kernels import verify_greedy
+        from ..kernels import verify_greedy
 
         acc, bonus = verify_greedy(target_logits[None], torch.tensor([draft], dtype=torch.long).reshape(1, -1),
                                    [len(draft)])
@@ -48,10 +48,10 @@ def greedy_accept_chain_batch(target_logits: torch.Tensor, drafts: torch.Tensor,
 
     ``target_logits`` ``[B, K+1, V]``, ``drafts`` ``[B, K]`` padded (padding is never accepted),
     ``draft_lens`` ``[B]``. Returns ``(accepted [B], bonus [B])`` as long tensors on the logits'
-    device. On CUDA this runs the Triton kernel ``kernels.verify_greedy`` (same results).
+    device. On CUDA this runs the Triton kernel ``hvd_ray.kernels.verify_greedy`` (same results).
     """
     if target_logits.device.type == "cuda":
-        from kernels import verify_greedy
+        from ..kernels import verify_greedy
 
         return verify_greedy(target_logits, drafts, draft_lens)
     return greedy_accept_chain_batch_torch(target_logits, drafts, draft_lens)
@@ -61,8 +61,8 @@ def greedy_accept_chain_batch_torch(target_logits: torch.Tensor, drafts: torch.T
                                     draft_lens: torch.Tensor | Sequence[int]
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch implementation of ``greedy_accept_chain_batch`` (any device): the kernel's own
-    reference, ``kernels.verify_greedy_torch``, so the two cannot drift apart."""
-    from kernels import verify_greedy_torch
+    reference, ``hvd_ray.kernels.verify_greedy_torch``, so the two cannot drift apart."""
+    from ..kernels import verify_greedy_torch
 
     return verify_greedy_torch(target_logits, drafts, draft_lens)
 
@@ -78,7 +78,7 @@ def greedy_accept_tree(target_logits: torch.Tensor, draft_tokens: Sequence[int] 
     if len(parents) != len(draft) or target_logits.shape[0] != len(draft) + 1:
         raise ValueError("need len(parents) == len(draft) and len(draft) + 1 logit rows")
     if target_logits.device.type == "cuda":  # Triton kernel: argmax only of the rows on the path
-        from kernels import verify_tree
+        from ..kernels import verify_tree
 
         check_parents(parents)
         path, n, bonus = verify_tree(target_logits[None], torch.tensor([draft], dtype=torch.long).reshape(1, -1),

@@ -100,7 +100,7 @@ def rejection_sample_chain(target_probs: torch.Tensor, draft_tokens: Sequence[in
     if dev.type == "cuda":
         # Triton kernel (kernels/rejection.py): the same accept draws from the generator, then one
         # uniform for an inverse-CDF draw instead of torch.multinomial; one host sync in all.
-        from kernels import verify_rejection
+        from ..kernels import verify_rejection
 
         accept_u = torch.rand(n, generator=generator, device=dev)
         sample_u = torch.rand(1, generator=generator, device=dev)

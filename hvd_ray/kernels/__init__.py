@@ -8,11 +8,10 @@
 Each public function runs its Triton kernel when its input lives on a CUDA device (and Triton
 imports), otherwise its ``*_torch`` reference; ``HVD_RAY_KERNELS=torch`` forces the references.
 ``hvd_ray.verification`` and ``KVCache.compact`` call these on CUDA only, so CPU behaviour is the
-engine's own torch code. ``python -m kernels.check_gpu`` checks and times them on a GPU.
+engine's own torch code. ``python -m hvd_ray.kernels.check_gpu`` checks and times them on a GPU.
 
-Importing the package is cheap (Triton loads on first use). It defines no ``__version__``: a probe
-for Hugging Face's unrelated ``kernels`` distribution (``transformers.is_kernels_available``) must
-keep answering False.
+Importing the package is cheap (Triton loads on first use). It lives inside ``hvd_ray``: a top-level
+``kernels`` would shadow Hugging Face's unrelated ``kernels`` distribution, which transformers imports.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Check and time the Triton kernels on a CUDA device.
 
-    python kernels/check_gpu.py            # or: python -m kernels.check_gpu [--vocab 49152] [--no-timings]
+    python hvd_ray/kernels/check_gpu.py    # or: python -m hvd_ray.kernels.check_gpu [--vocab 49152] [--no-timings]
 
 1. the checks the CPU tests run under ``TRITON_INTERPRET=1`` (kernel == torch reference), compiled
    for the GPU: at test sizes with small tiles, and at the default model's vocabulary with the
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
@@ -32,7 +32,7 @@ def _engine_entry_points(dev: str, vocab: int) -> dict[str, str | None]:
     from hvd_ray.verification import (greedy_accept_chain, greedy_accept_chain_batch, greedy_accept_tree,
                                       rejection_sample_chain)
 
-    from kernels._triton import ENV_VAR
+    from hvd_ray.kernels._triton import ENV_VAR
 
     def both(fn):
         """fn() with the kernels, then with HVD_RAY_KERNELS=torch."""
@@ -102,7 +102,7 @@ def _timings(dev: str, vocab: int) -> list[tuple[str, float, float]]:
     """(case, kernel ms, torch reference ms) at serving sizes."""
     from triton.testing import do_bench
 
-    import kernels as kn
+    import hvd_ray.kernels as kn
 
     rows = []
     g = torch.Generator().manual_seed(2)
@@ -152,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_gpu: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False): "
               "nothing to check. The CPU tests (tests/test_kernels.py) run the same checks under TRITON_INTERPRET=1.")
         return 0
-    from kernels._triton import HAVE_TRITON
+    from hvd_ray.kernels._triton import HAVE_TRITON
     if not HAVE_TRITON:
         print("check_gpu: a CUDA device but no Triton: `pip install triton` (the version your torch pins)")
         return 1
-    from kernels.checks import Setup, run_checks
+    from hvd_ray.kernels.checks import Setup, run_checks
 
     dev = "cuda"
     print(f"check_gpu: {torch.cuda.get_device_name()} torch {torch.__version__}")

@@ -1,5 +1,5 @@
 """Kernel == torch reference checks, shared by the CPU tests (under ``TRITON_INTERPRET=1``) and
-``kernels/check_gpu.py`` (on CUDA).
+``hvd_ray/kernels/check_gpu.py`` (on CUDA).
 
 Every check builds random inputs (seeded) that include the edge cases the engine meets — empty drafts,
 every token accepted, none accepted, tied and NaN/-inf logits, padded batches of unequal drafts,

@@ -7,7 +7,7 @@ parents precede children, as ``hvd_ray.verification.check_parents`` demands) and
 order whose token is the argmax at the current node, and stops when there is none: the argmax
 there is the bonus token. Output ``(path [B, N], path_len [B], bonus [B])`` with ``path`` holding
 the accepted draft indices root side first, padded with -1. Reference: ``verify_tree_torch``, a
-walk of its own (kernels import nothing from ``hvd_ray``); the tests hold it to the engine's
+walk of its own (the kernels import nothing else from ``hvd_ray``); the tests hold it to the engine's
 ``hvd_ray.verification.greedy_walk``.
 
 One program per sequence holds the draft's tokens and parents in registers and takes an argmax only
