@@ -198,9 +198,9 @@ def bench_spec(args) -> str:
             t0 = time.perf_counter()
             hist_ids = [ids for *_, ids in prompt_ids(tok, packaged, args.history_prompts, args.max_prompt_tokens,
                                                        "train")]
-            g = Engine(model, max_batch=1, max_len=max_len, num_draft_tokens=0, eos_token_ids=[tok.eos_token_id])
-            history = [(f"history-{i}", r.output) for i, r in enumerate(g.generate([ids], params)[0]
-                                                                         for ids in hist_ids)]
+            # batched: the history is only the tree's input, and at 8 rows it decodes ~4x faster here
+            g = Engine(model, max_batch=8, max_len=max_len, num_draft_tokens=0, eos_token_ids=[tok.eos_token_id])
+            history = [(f"history-{i}", r.output) for i, r in enumerate(g.generate(hist_ids, params))]
             notes.append(f"warm-history: the global trees start with {len(history)} outputs of train-split prompts "
                          f"of the same workloads ({args.history_prompts} per workload), decoded here with plain "
                          f"greedy in {time.perf_counter() - t0:.0f} s.")
