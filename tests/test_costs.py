@@ -24,6 +24,26 @@ def test_measured_costs_are_relative_monotone_cached_and_leave_the_cache_alone(t
     # widths beyond the model's context are dropped, not an error
     short = measure_step_costs(model, widths=(1, 2, model.cfg.max_position + 1), prefix=16, reps=1)
     assert list(short.table) == [1, 2]
+    # the same widths after a long context; one that does not fit is cut to the model's room
+    assert (costs.prefix, costs.long_prefix) == (16, model.cfg.max_position - 8) and costs.long_forward_s > 0
+    assert list(costs.long_table) == [1, 2, 4, 8] and costs.long_table[1] == 1.0
+    assert all(costs.long_table[a] <= costs.long_table[b] for a, b in zip([1, 2, 4], [2, 4, 8]))
+    assert not measure_step_costs(model, widths=(1, 2), prefix=16, reps=1, long_prefix=0).long_table
+
+
+def test_width_costs_more_after_a_long_context():
+    """Every verified token attends over the whole context, so a wide forward costs more, relative
+    to a one-token forward, after 4,000 tokens than after 64 (bf16 here: 32 tokens 2.3x against
+    1.46x): seconds are linear in the context between the two measured tables and beyond them."""
+    costs = StepCosts({1: 1.0, 32: 1.5}, forward_s=0.01, long_table={1: 1.0, 32: 2.5}, long_forward_s=0.02,
+                      prefix=64, long_prefix=1064)
+    assert costs(32) == costs(32, 64) == 1.5 and costs(32, 1064) == pytest.approx(2.5)
+    assert costs(32, 564) == pytest.approx((0.005 * 1.5 + 0.01 * 2.5) / 0.015)  # halfway in seconds
+    assert costs(32, 564) < costs(32, 1064) < costs(32, 3000) < 3.0  # toward the long table's slope
+    assert costs(1, 3000) == 1.0 and costs.per_row(32, 1, 1064) == pytest.approx(2.5)
+    # a batch's rows have contexts of their own: its learned per-row term holds them
+    assert costs.batch(4, 35, context=3000) == costs.batch(4, 35) == costs(35) + costs.row_at(4) * 3
+    assert StepCosts({1: 1.0, 32: 1.5})(32, 5000) == 1.5  # no long table: the one there is
 
 
 def test_a_timing_spike_is_averaged_not_carried_to_wider_forwards():

@@ -556,6 +556,22 @@ def test_cost_policy_verifies_both_drafts_where_the_cache_draft_is_doubtful():
     assert confident.decide(sure)[0] == CACHE  # the model draft would only cost
     loaded = StepView(np.zeros(len(SPEC), np.float32), cache_len=4, model_len=4, cache_probs=[0.5, 0.3, 0.2, 0.1], batch=4)
     assert UNION not in pol.rates(loaded, 0.6)
+    # after a long context each verified token costs more (engine/costs.py): a 16-token cache draft
+    # worth 2 tokens pays after 64 tokens and loses to the model's 5 after 4,000, and the union
+    # takes fewer of the cache's tokens there
+    from hvd_ray.engine.costs import StepCosts
+
+    timed = StepCosts(costs, forward_s=0.01, long_table={1: 1.0, 2: 1.1, 4: 1.25, 8: 1.5, 16: 1.9, 32: 2.6, 64: 3.6},
+                      long_forward_s=0.02, prefix=64, long_prefix=2048)
+    at = lambda context: StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=4,  # noqa: E731
+                                  cache_probs=[0.6] * 16, context=context)
+    by_context = CostPolicy(constant_predictor(2.0), model=_Eagle(), cost_table=timed, model_accept=1.5,
+                            model_token_cost=0.05, adapt=0.0)
+    assert by_context.decide(at(64))[0] == CACHE and by_context.decide(at(4000))[0] == MODEL
+    both = CostPolicy(constant_predictor(0.6), model=_Eagle(), cost_table=timed, model_accept=1.5,
+                      model_token_cost=0.05, adapt=0.0, union=True)
+    short, long = at(64), at(4000)
+    assert both.decide(short)[0] == both.decide(long)[0] == UNION and long.take_union < short.take_union
     # the model side learns from a union step what its own draft got, not what the union got
     learner = CostPolicy(constant_predictor(0.6), model=_Eagle(), model_accept=2.0, adapt=0.5, union=True)
     step = StepRecord("union", 6, 3, draft_s=0.001, verify_s=0.01, union=(3, 1))

@@ -59,9 +59,27 @@ class StepCosts:
     row: float = 0.0
     adapt: float = 0.05
     rows: dict[int, float] = field(default_factory=dict)
+    # The same table timed after a long context (``long_prefix`` tokens; ``prefix`` for ``table``).
+    # Each verified token attends over the whole context, so width costs more there: in bf16 here a
+    # 32-token forward cost 1.46 one-token forwards after 64 tokens and 2.3 after 4,000, and the
+    # short table alone let the union and long cache drafts overpay on 3.5-5k-token prompts.
+    long_table: dict[int, float] = field(default_factory=dict)
+    long_forward_s: float = 0.0
+    prefix: int = 0
+    long_prefix: int = 0
 
-    def __call__(self, tokens: float) -> float:
-        return interpolate(self.table, tokens)
+    def __call__(self, tokens: float, context: int = 0) -> float:
+        """A forward over ``tokens`` new tokens after ``context`` tokens, relative to a 1-token one
+        after as many: seconds linear in the context, through the two measured tables (and beyond)."""
+        short = interpolate(self.table, tokens)
+        if not self.long_table or context <= self.prefix or self.long_prefix <= self.prefix:
+            return short
+        f = (context - self.prefix) / (self.long_prefix - self.prefix)
+        a, b = (1 - f) * self.forward_s, f * self.long_forward_s
+        one = a + b
+        if one <= 0:  # (extrapolated past a noisy pair of timings)
+            return short
+        return max(1.0, (a * short + b * interpolate(self.long_table, tokens)) / one)
 
     def row_at(self, batch: int) -> float:
         """Each further row's cost in a ``batch``-row forward (the nearest measured batch size's)."""
@@ -71,15 +89,16 @@ class StepCosts:
             return self.rows[batch]
         return self.rows[min(self.rows, key=lambda b: (abs(b - batch), -b))]
 
-    def batch(self, rows: int, tokens: float) -> float:
-        """A (packed) forward of ``rows`` rows scoring ``tokens`` tokens in all."""
-        return self(tokens) + self.row_at(rows) * max(0, rows - 1)
+    def batch(self, rows: int, tokens: float, context: int = 0) -> float:
+        """A (packed) forward of ``rows`` rows scoring ``tokens`` tokens in all; a lone row's after
+        its ``context`` tokens (a batch's rows' contexts are in its learned ``rows`` term)."""
+        return self(tokens, context if rows == 1 else 0) + self.row_at(rows) * max(0, rows - 1)
 
-    def per_row(self, width: int, batch: int = 1) -> float:
+    def per_row(self, width: int, batch: int = 1, context: int = 0) -> float:
         """One row's share of a (packed) forward where it scores ``width`` tokens and the other
         ``batch - 1`` rows one each, relative to a lone 1-token forward."""
         batch = max(1, batch)
-        return self.batch(batch, batch - 1 + width) / batch
+        return self.batch(batch, batch - 1 + width, context) / batch
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """Fold one measured batched verify forward into ``rows[rows]`` (needs the measured 1-token
@@ -255,20 +274,33 @@ class SpeculationCheck:
             self.done.add(batch)
 
 
-def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5) -> StepCosts:
+def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5, long_prefix: int = 2048) -> StepCosts:
     """Time one forward over ``k`` new tokens after a ``prefix``-token context, for each ``k`` in
-    ``widths``, in a scratch KV cache so the model's own cache is untouched. Cached on the model:
-    engines that share a model share its costs.
+    ``widths``, in a scratch KV cache so the model's own cache is untouched; and again after a
+    ``long_prefix``-token one (``StepCosts.long_table``; 0: not). Cached on the model: engines that
+    share a model share its costs.
 
     A busy or frequency-scaling CPU makes single timings jump by 30 % or more, and a table with a
     spike at one width misprices every draft from there on (the policy then declines drafts that
     pay). So the widths are timed in ``reps`` interleaved rounds (drift hits all widths alike), each
     width's median is kept, and the table is the monotone least-squares fit of those medians
     (scikit-learn's isotonic regression), not their running maximum."""
-    key = (str(model.device), str(model.dtype), torch.get_num_threads(), tuple(widths), prefix)
+    key = (str(model.device), str(model.dtype), torch.get_num_threads(), tuple(widths), prefix, long_prefix)
     cached = getattr(model, "_step_costs", {})
     if key in cached:
         return cached[key]
+    costs = _time_widths(model, widths, prefix, reps)
+    room = model.cfg.max_position - max(costs.table)
+    if long_prefix > costs.prefix and room > costs.prefix:
+        long = _time_widths(model, list(costs.table), min(long_prefix, room), reps)
+        costs.long_table, costs.long_forward_s, costs.long_prefix = long.table, long.forward_s, long.prefix
+    cached[key] = costs
+    model._step_costs = cached
+    return costs
+
+
+def _time_widths(model, widths, prefix: int, reps: int) -> StepCosts:
+    """One relative table, timed after ``prefix`` tokens (``measure_step_costs``)."""
     saved = model.cache
     room = model.cfg.max_position
     widths = [k for k in widths if prefix + k <= room] or [1]
@@ -298,10 +330,7 @@ def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5) ->
     raw = dict(zip(raw, rank0_values(model, list(raw.values()))))  # one table on every TP rank
     fit = monotone(raw)
     one = fit[min(fit)]
-    costs = StepCosts({k: v / one for k, v in fit.items()}, one, True, raw)
-    cached[key] = costs
-    model._step_costs = cached
-    return costs
+    return StepCosts({k: v / one for k, v in fit.items()}, one, True, raw, prefix=prefix)
 
 
 def monotone(raw: dict[int, float]) -> dict[int, float]:

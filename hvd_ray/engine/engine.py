@@ -462,7 +462,7 @@ class Engine:
                 d.source or "none", len(d), accepted, draft_s * shares[b], verify_s / B, predicted[b], capped=capped[b],
                 arm=self._arm if self.check is not None and B > 1 else None,
                 slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
-                full_forward=b not in settled, union=union))
+                full_forward=b not in settled, union=union, context=len(req.prompt) + len(req.output)))
             try:
                 results.append(self._emit(req, emitted))
             except Exception as e:  # noqa: BLE001 - a drafter's accept: fail this request alone

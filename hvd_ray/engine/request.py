@@ -67,6 +67,7 @@ class StepRecord:
     # a union step (the cache's and the model drafter's drafts as one tree, source "union"): the
     # model draft's tokens and how many of them the target accepted (what it alone would have got)
     union: tuple[int, int] | None = None
+    context: int = 0  # tokens before this step's (the verify forward attends over them)
 
     @property
     def plain(self) -> bool:

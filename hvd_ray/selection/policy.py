@@ -72,6 +72,7 @@ class StepView:
     take: int | None = None
     cache_probs: Sequence[float] = ()  # the long cache draft's per-token probabilities (tree counts)
     take_union: int | None = None  # with a union: how many cache draft tokens join the model's draft
+    context: int = 0  # tokens the request's verify forward attends over (its prompt and output so far)
 
 
 def verify_cost(k: int, table: dict[int, float] = VERIFY_COST) -> float:
@@ -196,7 +197,8 @@ class Policy(abc.ABC):
                if self.needs_phi else np.zeros(0, np.float32))
         model_len = min(self.model_depth, budget) if self.model is not None else 0
         view = StepView(phi, len(draft), model_len, cache_long=len(long),
-                        batch=getattr(engine, "decoding_batch", 1), cache_probs=long.probs)
+                        batch=getattr(engine, "decoding_batch", 1), cache_probs=long.probs,
+                        context=len(req.prompt) + len(req.output))
         return view, draft, long
 
     def __call__(self, req: "Request", engine: "Engine") -> Choice:
@@ -407,7 +409,7 @@ class CostPolicy(Policy):
         # the batch's tokens per unit of forward time, this row drafting and the others not (a packed
         # forward: each row pays for its own tokens); at batch 1, this row's own rate
         B = max(1, view.batch)
-        c = lambda width: self.costs.batch(B, B - 1 + width)  # noqa: E731
+        c = lambda width: self.costs.batch(B, B - 1 + width, view.context)  # noqa: E731
         r = {NONE: B / c(1)}
         if view.cache_len > 0:
             y = max(y, 0.0) * self.cache_scale.get(tree, 1.0)
@@ -475,7 +477,7 @@ class CostPolicy(Policy):
             return
         ema = lambda old, x: x if old is None else (1 - a) * old + a * x  # noqa: E731
         if rec.verify_s > 0:
-            self.forward_s = ema(self.forward_s, rec.verify_s / self.costs.per_row(1 + rec.drafted, self._batch))
+            self.forward_s = ema(self.forward_s, rec.verify_s / self.costs.per_row(1 + rec.drafted, self._batch, rec.context))
         own = self.model_step(rec)
         if own is not None:
             self.model_accept = ema(self.model_accept, float(own[0]))
