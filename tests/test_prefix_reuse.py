@@ -87,21 +87,25 @@ def test_engines_sharing_a_model_never_reuse_what_another_overwrote(target, prom
     assert got.output == fresh.generate([turn], params)[0].output
 
 
-def test_the_rest_of_a_long_prompt_after_a_kept_prefix_scores_as_a_fresh_prefill(target, prompts):
-    """A long rest (>= PREFIX_SDPA_MIN tokens) attends through SDPA with a lower-right causal mask."""
+@pytest.mark.parametrize("kept", ["short", "long"])
+def test_the_rest_of_a_long_prompt_after_a_kept_prefix_scores_as_a_fresh_prefill(target, prompts, kept):
+    """A long rest (>= PREFIX_SDPA_MIN tokens) attends through SDPA: after a short kept prefix as a
+    causal prefill with zero queries in the prefix's rows, after a long one with a lower-right
+    causal mask (the padding would cost more there)."""
     from hvd_ray.model.transformer import PREFIX_SDPA_MIN
 
     model, _ = target
     m = model.with_own_cache()
     m.setup_cache(1, 1024)
     ids = max(prompts, key=len)
-    assert len(ids) - 40 >= PREFIX_SDPA_MIN
+    P = 40 if kept == "short" else len(ids) - PREFIX_SDPA_MIN
+    assert len(ids) - P >= PREFIX_SDPA_MIN and (2 * P < 3 * (len(ids) - P)) == (kept == "short")
     fresh = m(torch.tensor([ids]), [0]).logits[0]
     m.cache.truncate(0, 0)
-    m(torch.tensor([ids[:40]]), [0])
-    rest = m(torch.tensor([ids[40:]]), [0]).logits[0]
-    torch.testing.assert_close(rest, fresh[40:], rtol=1e-4, atol=1e-4)
-    assert torch.equal(rest.argmax(-1), fresh[40:].argmax(-1))
+    m(torch.tensor([ids[:P]]), [0])
+    rest = m(torch.tensor([ids[P:]]), [0]).logits[0]
+    torch.testing.assert_close(rest, fresh[P:], rtol=1e-4, atol=1e-4)
+    assert torch.equal(rest.argmax(-1), fresh[P:].argmax(-1))
 
 
 @pytest.mark.slow

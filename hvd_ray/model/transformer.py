@@ -237,6 +237,19 @@ class Attention(nn.Module):
                                                      is_causal=True, enable_gqa=H != KV)
                 return reduce_shards(linear(out.transpose(1, 2).reshape(B, T, H * D), self.wo), self.tp_group)
             keys, vals = kc[slot : slot + 1, :, : ctx.span], vc[slot : slot + 1, :, : ctx.span]
+            if ctx.pad_queries:  # the rest of a prompt after a short kept prefix, attended as a fresh
+                # prefill is: SDPA's causal kernel over the whole span, in the model's dtype, with zero
+                # queries for the kept prefix's rows (dropped after), so the lower-right causal chunk
+                # is a top-left causal one. The masked fp32 path below took 3.3x as long for 4,470
+                # tokens after 144 kept (BFCL multi-turn, bf16: 7.4 s of prefill against a fresh
+                # prompt's 1.4 s); the cache's fp32 copies of bf16 K/V convert back exactly. Past a
+                # kept prefix of 1.5x the chunk the padding costs more than the mask saves.
+                P = ctx.pad_queries
+                qp = torch.cat([q.new_zeros(B, P, H, D), q], 1).transpose(1, 2)
+                out = F.scaled_dot_product_attention(qp, keys.to(q.dtype), vals.to(q.dtype), is_causal=True,
+                                                     enable_gqa=H != KV)[:, :, P:]
+                out = out.transpose(1, 2).reshape(B, T, H * D)
+                return reduce_shards(linear(out, self.wo), self.tp_group)
             if ctx.prefix_prefill is not None:  # SDPA's fused kernel: attend's [G*T, S] scores would be
                 # materialised per layer (a 900-token rest of a prompt took 1.8x its whole fresh prefill)
                 out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, vals,
@@ -390,6 +403,7 @@ class _StepContext:
     contiguous: tuple[int, int] | None
     fresh_prefill: bool = False
     prefix_prefill: Tensor | None = None  # bool [T, S] lower-right causal: a long chunk after a kept prefix
+    pad_queries: int = 0  # a long chunk after a short kept prefix: that many zero queries make it causal
     runs: list[tuple[int, int, int, int]] = field(default_factory=list)  # slot_runs
     head_idx: Tensor | None = None
     slots_t: Tensor | None = None
@@ -508,8 +522,12 @@ class Transformer(nn.Module):
 
         contiguous = (slots[0], starts[0]) if B == 1 else None
         mask = prefix = None
+        pad = 0
         if contiguous is not None and starts[0] > 0 and attn_mask is None and T >= PREFIX_SDPA_MIN:
-            prefix = torch.ones(T, span, dtype=torch.bool, device=dev).tril(starts[0])
+            if 2 * starts[0] < 3 * T:
+                pad = starts[0]
+            else:
+                prefix = torch.ones(T, span, dtype=torch.bool, device=dev).tril(starts[0])
         elif attn_mask is not None or T > 1 or B > 1:
             kpos = torch.arange(span, device=dev)
             rel = kpos[None, :] - start_t[:, None]  # [B, S]: key position relative to the new tokens
@@ -522,7 +540,7 @@ class Transformer(nn.Module):
             mask = ((rel < 0)[:, None, :] | (new & (rel < T)[:, None, :])).unsqueeze(1)
             mask = mask_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads)
         fresh = contiguous is not None and starts[0] == 0 and attn_mask is None and T > 1
-        ctx = _StepContext(cache, cos, sin, mask, span, contiguous, fresh, prefix)
+        ctx = _StepContext(cache, cos, sin, mask, span, contiguous, fresh, prefix, pad_queries=pad)
         if B > 1 and sum(n_new) < B * T:  # ragged rows: pack the real tokens
             real = torch.arange(T, device=dev)[None, :] < torch.tensor(n_new, device=dev)[:, None]
             ctx.valid, ctx.padded = real.view(-1).nonzero().squeeze(1), (B, T)
