@@ -10,11 +10,12 @@ import time
 
 from ..engine import Engine, SamplingParams
 from ..model import load
+from ..selection.hvd import EAGLE3_ASSET
 from ..selection.policy import matched
 from .interleave import Runner, Runs, engine_runner, run_interleaved
 from .machine import DTYPE_NAMES, command, machine_line
 from .methods import make_method
-from .peers import VLLM_METHODS, NotRun, VllmRunner
+from .peers import VLLM_METHODS, NotRun, vllm_runners
 from .prompts import prompt_ids
 
 
@@ -141,10 +142,11 @@ def bench_spec(args) -> str:
                         raise ValueError("vLLM methods need --vllm-python (bash ../shared/peers/setup_vllm.sh)")
                     if name not in VLLM_METHODS:
                         raise ValueError(f"unknown vLLM method; choose from {', '.join(VLLM_METHODS)}")
-                    try:
-                        runners[name] = VllmRunner(args.vllm_python, VLLM_METHODS[name], args.dtype, args.threads)
-                    except NotRun as e:
-                        raise ValueError(str(e)) from e
+                    started, failed = vllm_runners(args.vllm_python, [name], args.dtype, args.threads,
+                                                   str(args.eagle3_head or EAGLE3_ASSET))
+                    if failed:
+                        raise ValueError(failed[name])
+                    runners[name] = started[name]
                     peers.append(runners[name])
                     continue
                 eng, oracle = make_method(name, model, tok, args, max_len)
