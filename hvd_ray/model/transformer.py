@@ -388,8 +388,10 @@ def slot_runs(slots: Sequence[int], starts: Sequence[int], widths: Sequence[int]
 
 
 # From this many new tokens on, a single sequence after a prefix in its slot attends with SDPA's fused
-# kernel and a mask: the rest of a prompt after a reused prefix, and a lone request's longest chain
-# drafts (65 wide: SDPA took 0.77-0.99x attend's time here); below, the two are level (0.94-1.08x).
+# kernel: the rest of a prompt after a reused prefix, and a lone request's longest chain drafts (65
+# wide: SDPA took 0.77-0.99x attend's time here); below, the two are level (0.94-1.08x). After a kept
+# prefix shorter than 1.5x the new tokens it runs causal with padded queries (``pad_queries``), else
+# with a lower-right mask (``prefix_prefill``).
 PREFIX_SDPA_MIN = 64
 
 
