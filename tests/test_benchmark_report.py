@@ -105,6 +105,23 @@ def test_vllm_peer_without_vllm_is_not_run():
         VllmRunner(sys.executable, None, "float32", 1)
 
 
+def test_a_vllm_peer_that_hangs_at_start_up_is_not_run(tmp_path):
+    """A peer that never says it is ready (a hung load) is killed after ``start_timeout`` and listed
+    not run, rather than blocking the whole report on its first line."""
+    import time
+
+    from hvd_ray.bench.peers import NotRun, VllmRunner
+
+    hung = tmp_path / "bin" / "python"  # an interpreter that starts and then never answers
+    hung.parent.mkdir()
+    hung.write_text("#!/bin/sh\nexec sleep 600\n")
+    hung.chmod(0o755)
+    t0 = time.monotonic()
+    with pytest.raises(NotRun, match="not ready after 2 s"):
+        VllmRunner(str(hung), None, "float32", 1, start_timeout=2)
+    assert time.monotonic() - t0 < 30
+
+
 VLLM_PYTHON = os.environ.get("HVD_VLLM_PYTHON", str(Path.home() / ".cache/hvd-peers/vllm/bin/python"))
 
 

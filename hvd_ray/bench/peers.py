@@ -6,6 +6,7 @@ method)."""
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import tempfile
 import time
@@ -114,11 +115,16 @@ class VllmRunner:
         job = {"model": str(resolve("default")), "dtype": dtype, "threads": threads, "spec": spec}
         self.proc = subprocess.Popen([python, str(PEER), "--serve", json.dumps(job)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=vllm_env(python))
-        line = self.proc.stdout.readline()
+        # a peer that hangs while loading (e.g. a stuck OpenMP or shared-memory init) must not hang the run
+        started, _, _ = select.select([self.proc.stdout], [], [], start_timeout)
+        line = self.proc.stdout.readline() if started else ""
         ready = json.loads(line) if line else {}
         if not ready.get("ready"):
+            if not started:
+                self.proc.kill()
             self.close()
-            raise NotRun(f"the vLLM peer did not start (rc {self.proc.returncode}; its log is on stderr)")
+            why = f"not ready after {start_timeout:.0f} s" if not started else f"rc {self.proc.returncode}"
+            raise NotRun(f"the vLLM peer did not start ({why}; its log is on stderr)")
         self.version = ready.get("version")  # (a peer script without it: None)
 
     def __call__(self, ids, params, ref=None):
