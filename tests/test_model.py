@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from hvd_ray.model.registry import ModelError, check_folder, resolve
 from hvd_ray.model.transformer import Transformer
+from hvd_ray.verification.tree import tree_attention_mask
 
 # fp32 logits against transformers: our CPU matmuls run on oneDNN-prepacked weights (their own
 # accumulation order), so 30 layers agree to ~1e-4 on logits of magnitude ~20 (5e-6 relative)
@@ -229,10 +230,39 @@ def test_bf16_packed_weights_are_bit_identical_and_batches_run(tiny_llama):
     b = model(ids, [0]).logits
     if packed:  # oneDNN bf16 available on this CPU
         assert torch.equal(a, b)
-    # a bf16 batch (cache dtype differs from the model dtype on CPU) runs and matches closely
+    # a bf16 batch (the cache: bf16 where the CPU has bf16 instructions, else fp32) runs and matches closely
     model.cache.truncate(0, 0)
     batched = model(torch.cat([ids, ids]), [1, 2]).logits
     assert (batched[0].float() - b[0].float()).abs().max() < 0.1
+
+
+def test_a_bf16_cache_attends_with_sdpa_as_an_fp32_cache_does_with_attend(tiny_llama):
+    """A bf16 model's K/V are bf16 values, so a bf16 cache stores them as exactly as an fp32 one; on
+    CPU it attends through SDPA's kernel (``sdpa_attend``, bool masks) instead of ``attend``. Every
+    attention path gives the same logits to bf16 rounding: a batched prefill over runs of slots,
+    packed decode rows of different widths, a tree mask, a one-token step over different lengths,
+    a lone row's chain after its prefix."""
+    bf = Transformer.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    models = {d: bf.with_own_cache() for d in (torch.float32, torch.bfloat16)}
+    for d, m in models.items():
+        m.setup_cache(5, 128, d)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (7, 19, 12)]
+    T = max(map(len, seqs))
+    prefill = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
+    nxt = [[11, 12, 13], [14], [15, 16]]
+    steps = [  # (tokens, slots, keyword arguments)
+        (prefill, [0, 2, 3], {"n_new": [len(s) for s in seqs]}),
+        (torch.tensor([n + [0] * (3 - len(n)) for n in nxt]), [0, 2, 3], {"n_new": list(map(len, nxt)), "packed_logits": True}),
+        (torch.tensor([[31, 32, 33, 34]] * 3), [0, 2, 3],  # a tree per row: 31 -> {32, 33 -> 34}
+         {"attn_mask": tree_attention_mask([-1, -1, 1]).expand(3, 4, 4), "depths": torch.tensor([[0, 1, 1, 2]] * 3)}),
+        (torch.tensor([[21], [22], [23]]), [0, 2, 3], {}),
+        (torch.tensor([list(range(40, 46))]), [2], {}),
+    ]
+    for toks, slots, kw in steps:
+        a, b = (models[d](toks, slots, **kw).logits.float() for d in (torch.float32, torch.bfloat16))
+        assert a.shape == b.shape and (a - b).abs().max() <= 0.05 * max(1.0, a.abs().max().item())
+    assert models[torch.bfloat16].cache.lengths == models[torch.float32].cache.lengths
 
 
 def test_fp32_packed_weights_match_blas_and_give_each_row_the_same_bits(tiny_llama):
