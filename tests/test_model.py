@@ -219,17 +219,33 @@ def test_default_model_logits_match_transformers(default_folder):
 
 
 def test_bf16_packed_weights_are_bit_identical_and_batches_run(tiny_llama):
+    """Where oneDNN has bf16, packed bf16 weights give bit-identical logits; where it has not (an
+    AVX2-only CPU), multi-row inputs run through an fp32 copy of the weights (``Packed.upcast``) and
+    match the bf16 matmuls to bf16 rounding, while one-row inputs keep the bf16 weights."""
+    from hvd_ray.model.transformer import linear
+
     model = Transformer.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     model.setup_cache(3, 64)
     ids = torch.tensor([list(range(5, 25))])
     packed = model.pack_weights()
+    upcast = packed and model.layers[0].mlp.w13.__dict__["packed"].upcast
+    assert upcast == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
     a = model(ids, [0]).logits
     for mod in model.modules():
         mod.__dict__.pop("packed", None)
     model.cache.truncate(0, 0)
     b = model(ids, [0]).logits
-    if packed:  # oneDNN bf16 available on this CPU
+    if packed and not upcast:  # oneDNN bf16 available on this CPU
         assert torch.equal(a, b)
+    elif upcast:
+        assert (a.float() - b.float()).abs().max() <= 0.05 * max(1.0, b.float().abs().max().item())
+        model.pack_weights()
+        lin = model.layers[0].mlp.w13
+        x = torch.randn(1, 1, lin.in_features, dtype=torch.bfloat16)
+        assert torch.equal(linear(x, lin), torch.nn.functional.linear(x, lin.weight))  # one row: bf16
+        x = torch.randn(2, 5, lin.in_features, dtype=torch.bfloat16)
+        want = torch.nn.functional.linear(x.float(), lin.weight.float()).to(torch.bfloat16)
+        assert linear(x, lin).dtype == torch.bfloat16 and torch.allclose(linear(x, lin), want, rtol=1e-2, atol=1e-2)
     # a bf16 batch (the cache: bf16 where the CPU has bf16 instructions, else fp32) runs and matches closely
     model.cache.truncate(0, 0)
     batched = model(torch.cat([ids, ids]), [1, 2]).logits

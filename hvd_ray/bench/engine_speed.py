@@ -4,6 +4,7 @@ scoring k tokens: the figures that say whether verifying a draft is cheap here."
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -61,19 +62,28 @@ def bench_engine(args) -> str:
         b8["ours"].append(ours(prompts))
         b8["hf"].append(hf(prompts))
 
-    # k-token verify cost with a ~300-token prefix
+    # k-token verify cost with a ~300-token prefix; on a CPU without oneDNN bf16 also with torch's
+    # own bf16 matmuls (HVD_BF16_UPCAST=0), interleaved per repetition
     model.setup_cache(1, 1024)
     prefix = (prompts[0] * 4)[:300]
-    costs = {}
-    for k in (1, 2, 4, 8, 16, 32):
-        ts = []
-        for _ in range(args.reps * 3):
-            model.cache.truncate(0, 0)
-            model(torch.tensor([prefix]), [0], last_only=True)
-            t0 = time.perf_counter()
-            model(torch.tensor([prefix[:k]]), [0])
-            ts.append(time.perf_counter() - t0)
-        costs[k] = median(ts)
+    modes = {"": "1"}
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        modes = {"bf16 weights as fp32 for 2+ rows (default here)": "1", "torch's bf16 matmuls (HVD_BF16_UPCAST=0)": "0"}
+    times: dict[str, dict[int, list]] = {m: {k: [] for k in (1, 2, 4, 8, 16, 32)} for m in modes}
+    for _ in range(args.reps * 3):
+        for mode, flag in modes.items():
+            os.environ["HVD_BF16_UPCAST"] = flag
+            model.pack_weights()
+            for k, ts in times[mode].items():
+                model.cache.truncate(0, 0)
+                model(torch.tensor([prefix]), [0], last_only=True)
+                t0 = time.perf_counter()
+                model(torch.tensor([prefix[:k]]), [0])
+                ts.append(time.perf_counter() - t0)
+    os.environ.pop("HVD_BF16_UPCAST", None)
+    model.pack_weights()
+    all_costs = {mode: {k: median(ts) for k, ts in by_k.items()} for mode, by_k in times.items()}
+    costs = next(iter(all_costs.values()))
 
     o1, h1, o8 = median(b1["ours"]), median(b1["hf"]), median(b8["ours"])
     lines = [
@@ -99,9 +109,11 @@ def bench_engine(args) -> str:
         "",
         "| k | " + " | ".join(str(k) for k in costs) + " |",
         "| --- |" + " --- |" * len(costs),
-        "| ms | " + " | ".join(f"{v * 1000:.1f}" for v in costs.values()) + " |",
-        "| x k=1 | " + " | ".join(f"{v / costs[1]:.2f}" for v in costs.values()) + " |",
-        "",
     ]
-    raw = {"batch1": b1, "batch8": b8, "verify_cost_s": costs}
+    for mode, c in all_costs.items():
+        label = f" ({mode})" if mode else ""
+        lines += [f"| ms{label} | " + " | ".join(f"{v * 1000:.1f}" for v in c.values()) + " |",
+                  f"| x k=1{label} | " + " | ".join(f"{v / c[1]:.2f}" for v in c.values()) + " |"]
+    lines.append("")
+    raw = {"batch1": b1, "batch8": b8, "verify_cost_s": costs, "verify_cost_s_by_mode": all_costs}
     return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n</details>\n"

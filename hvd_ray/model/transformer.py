@@ -16,11 +16,12 @@ from __future__ import annotations
 import copy
 import glob
 import itertools
+import os
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -117,31 +118,66 @@ def rope_cos_sin(cos_table: Tensor, sin_table: Tensor, pos: Tensor, dtype: torch
     return cos.to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(dtype)
 
 
+class Packed(NamedTuple):
+    """A Linear's oneDNN-prepacked weight (:func:`pack_linears`) for inputs of ``dtype``."""
+
+    weight: Tensor
+    dtype: torch.dtype
+    upcast: bool = False  # bf16 weights held in fp32: inputs of 2+ rows compute in fp32
+    bias: Tensor | None = None  # the bias in fp32 (upcast only)
+
+
+def bf16_upcast_enabled() -> bool:
+    """Whether a bf16 model on a CPU without oneDNN bf16 computes its multi-row matmuls in fp32
+    (``HVD_BF16_UPCAST=0`` turns it off, to measure the difference)."""
+    return os.environ.get("HVD_BF16_UPCAST", "1") != "0"
+
+
 def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype, fp32: bool = False) -> bool:
     """Give every ``nn.Linear`` in ``module`` a oneDNN-prepacked weight for :func:`linear` (CPU:
-    bf16 where the CPU has bf16 instructions, and fp32 when ``fp32``; elsewhere drop any packed
-    copy). Only for frozen weights: the copy neither follows later updates nor carries gradients.
-    Returns whether it packed."""
-    ok = device.type == "cpu" and torch.backends.mkldnn.is_available() and (
-        (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        or (fp32 and dtype == torch.float32))
+    bf16 where the CPU has bf16 instructions; with ``fp32``, fp32 models too, and bf16 models on a
+    CPU without them as an fp32 copy; elsewhere drop any packed copy). Only for frozen weights: the
+    copy neither follows later updates nor carries gradients. Returns whether it packed.
+
+    The fp32 copy of bf16 weights (``Packed.upcast``) is for AVX2-only CPUs, where torch's bf16
+    matmul costs the same per row however many rows it has (a 16-token forward of the default model
+    8.7x a 1-token one, prefill ~7 s per 1,000 tokens): verifying a draft would cost as much as
+    decoding it. Through the fp32 copy a 16-token forward costs 2.9x a 1-token one; one-row
+    inputs (batch-1 decode, drafting) keep the bf16 weights, which read half the bytes (54 vs 74
+    ms a token there). bf16 weights upcast exactly; results round to bf16 as before. Memory: twice
+    the bf16 weights again."""
+    cpu = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    native = cpu and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    upcast = fp32 and cpu and dtype == torch.bfloat16 and not native and bf16_upcast_enabled()
+    ok = native or upcast or (fp32 and cpu and dtype == torch.float32)
     # the blocked layout's batch hint: 1 suits bf16 decode; fp32 gets 16 (a 2-17-token verify
     # forward costs little more than 1 token, where BLAS doubles from 1 to 2 rows)
-    hint = 1 if dtype == torch.bfloat16 else 16
+    hint = 1 if native else 16
     for mod in module.modules():
         if isinstance(mod, nn.Linear):
             mod.__dict__.pop("packed", None)
-            if ok:
-                mod.__dict__["packed"] = (torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), hint), dtype)
+            if not ok:
+                continue
+            w = mod.weight.detach()
+            if upcast:
+                bias = mod.bias.detach().float() if mod.bias is not None else None
+                mod.__dict__["packed"] = Packed(torch.ops.mkldnn._reorder_linear_weight(w.float(), hint), dtype,
+                                                True, bias)
+            else:
+                mod.__dict__["packed"] = Packed(torch.ops.mkldnn._reorder_linear_weight(w, hint), dtype)
     return ok
 
 
 def linear(x: Tensor, mod: nn.Linear) -> Tensor:
     """``mod(x)``, through oneDNN's prepacked weight when ``pack_linears`` made one (CPU)."""
-    packed = mod.__dict__.get("packed")
-    if packed is None or x.dtype != packed[1]:  # (a module moved to another dtype after packing)
+    p: Packed | None = mod.__dict__.get("packed")
+    if p is None or x.dtype != p.dtype:  # (a module moved to another dtype after packing)
         return F.linear(x, mod.weight, mod.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed[0], mod.bias, "none", [], "")
+    if p.upcast:
+        if x.numel() == x.shape[-1]:  # one row: the bf16 GEMV reads half the bytes
+            return F.linear(x, mod.weight, mod.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.float(), p.weight, p.bias, "none", [], "").to(x.dtype)
+    return torch.ops.mkldnn._linear_pointwise(x, p.weight, mod.bias, "none", [], "")
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
