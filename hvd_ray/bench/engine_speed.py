@@ -66,22 +66,28 @@ def bench_engine(args) -> str:
     # own bf16 matmuls (HVD_BF16_UPCAST=0), interleaved per repetition
     model.setup_cache(1, 1024)
     prefix = (prompts[0] * 4)[:300]
-    modes = {"": "1"}
+    modes: dict[str, str | None] = {"": None}  # label -> HVD_BF16_UPCAST for that mode (None: as set)
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         modes = {"bf16 weights as fp32 for 2+ rows (default here)": "1", "torch's bf16 matmuls (HVD_BF16_UPCAST=0)": "0"}
+    user_flag = os.environ.get("HVD_BF16_UPCAST")
     times: dict[str, dict[int, list]] = {m: {k: [] for k in (1, 2, 4, 8, 16, 32)} for m in modes}
     for _ in range(args.reps * 3):
         for mode, flag in modes.items():
-            os.environ["HVD_BF16_UPCAST"] = flag
-            model.pack_weights()
+            if flag is not None:
+                os.environ["HVD_BF16_UPCAST"] = flag
+                model.pack_weights()
             for k, ts in times[mode].items():
                 model.cache.truncate(0, 0)
                 model(torch.tensor([prefix]), [0], last_only=True)
                 t0 = time.perf_counter()
                 model(torch.tensor([prefix[:k]]), [0])
                 ts.append(time.perf_counter() - t0)
-    os.environ.pop("HVD_BF16_UPCAST", None)
-    model.pack_weights()
+    if len(modes) > 1:  # the model as the user's setting packs it
+        if user_flag is None:
+            os.environ.pop("HVD_BF16_UPCAST", None)
+        else:
+            os.environ["HVD_BF16_UPCAST"] = user_flag
+        model.pack_weights()
     all_costs = {mode: {k: median(ts) for k, ts in by_k.items()} for mode, by_k in times.items()}
     costs = next(iter(all_costs.values()))
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import copy
 import glob
 import itertools
-import os
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
@@ -141,8 +141,8 @@ def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype, fp
 
     The fp32 copy of bf16 weights (``Packed.upcast``) is for AVX2-only CPUs, where torch's bf16
     matmul costs the same per row however many rows it has (a 16-token forward of the default model
-    8.7x a 1-token one, prefill ~7 s per 1,000 tokens): verifying a draft would cost as much as
-    decoding it. Through the fp32 copy a 16-token forward costs 2.9x a 1-token one; one-row
+    8.8x a 1-token one, prefill ~7 s per 1,000 tokens): verifying a draft would cost as much as
+    decoding it. Through the fp32 copy a 16-token forward costs 2.8x a 1-token one; one-row
     inputs (batch-1 decode, drafting) keep the bf16 weights, which read half the bytes (54 vs 74
     ms a token there). bf16 weights upcast exactly; results round to bf16 as before. Memory: twice
     the bf16 weights again."""
@@ -186,8 +186,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     The query heads that share a KV head are folded into the row dimension, so K/V are never
     repeated or copied (the cache is head-major, so a slot range is a plain batched-matmul operand).
     Computed in the cache's dtype (fp32 on a CPU without bf16 instructions, where bf16 batched
-    matmuls are slower than fp32 ones; a bf16 CPU cache takes ``sdpa_attend``) with an fp32 softmax; for decode-sized T this is several times faster than SDPA's CPU
-    kernel. ``bias`` [B, 1, G*T, S] is 0 / -inf (see ``mask_bias``) or None.
+    matmuls are slower than fp32 ones; a bf16 CPU cache takes ``sdpa_attend``) with an fp32
+    softmax; for decode-sized T this is several times faster than SDPA's CPU kernel. ``bias`` [B, 1, G*T, S] is 0 / -inf (see ``mask_bias``) or None.
     """
     B, T, H, D = q.shape
     KV = k.shape[1]
