@@ -340,6 +340,7 @@ def test_a_second_turn_reuses_the_first_turns_kv(http):
     assert first["usage"]["prompt_tokens"] - 1 <= cached < second["usage"]["prompt_tokens"], second["usage"]
     after = _wait_idle(http)
     assert after["cached_prompt_tokens"] - before["cached_prompt_tokens"] >= cached
+    assert after["prefill_s"] > before["prefill_s"]  # the second turn still prefilled its new tokens
     assert after["prompt_tokens"] - before["prompt_tokens"] == first["usage"]["prompt_tokens"] + \
         second["usage"]["prompt_tokens"]
 

@@ -130,13 +130,14 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         "Latency = request start to `[DONE]`; TTFT = request start to the first text chunk; "
         "actor wait = time the engine loop spent on suffix-drafter actor calls (blocked on them in `remote` mode; "
         "submitting and polling background calls in `mirror` mode) / time inside engine steps; in steps = time "
-        "inside engine steps (prefill and decode) / wall time of the level, and tokens/forward = tokens a request gained "
+        "inside engine steps (prefill and decode) / wall time of the level; prefill = time in the prefill forwards "
+        "of the level's requests / time inside engine steps (what no drafter can speed up); tokens/forward = tokens a request gained "
         "per target forward it took part in (finished requests); batch arms = the level's batch steps (2 rows or "
         "more) by the way they drafted under the cost policy (`GET /stats` `speculation`, "
         "`engine/costs.py:SpeculationCheck`): the cache drafter's own drafts / the policy's choices / none.",
         "",
-        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait | in steps | tokens/forward | batch arms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait | in steps | prefill | tokens/forward | batch arms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
     ]
@@ -172,6 +173,7 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
     rows: dict[str, list[str]] = {s: [] for s in servers}
     raw: dict[str, dict] = {s: {} for s in servers}
     tps: dict[tuple[str, int], float] = {}
+    dec: dict[tuple[str, int], float] = {}
     failed: dict[str, str] = {}
     bases: dict[str, str] = {}
     try:
@@ -197,16 +199,20 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                 wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - \
                     sum(d.get("wait_s", 0.0) for d in s0["drafters"].values())
                 busy = s1["decode_s"] - s0["decode_s"]
+                prefill = s1.get("prefill_s", 0.0) - s0.get("prefill_s", 0.0)
                 steps = s1["decode_steps"] - s0["decode_steps"]  # requests' steps: forwards each request took part in
                 forward = (s1["decode_tokens"] - s0["decode_tokens"]) / steps if steps else 0.0
                 toks = sum(r["tokens"] for r in res)
                 raw[server][f"c{conc}"] = res
                 tps[(server, conc)] = toks / wall
+                # decoding's own throughput: the level's tokens over the time in steps outside prefill
+                dec[(server, conc)] = toks / (busy - prefill) if busy > prefill else float("nan")
                 lat, ttft = [r["latency"] for r in res], [r["ttft"] for r in res]
                 rows[server].append(
                     f"| {conc} | {len(work)} | {len(work) / wall:.2f} | {toks / wall:.1f} | {_pct(lat, 0.5):.2f} | "
                     f"{_pct(lat, 0.99):.2f} | {_pct(ttft, 0.5):.2f} | {_pct(ttft, 0.99):.2f} | "
-                    f"{100 * wait / busy if busy else 0:.1f}% | {100 * busy / wall:.0f}% | {forward:.2f} | "
+                    f"{100 * wait / busy if busy else 0:.1f}% | {100 * busy / wall:.0f}% | "
+                    f"{100 * prefill / busy if busy else 0:.0f}% | {forward:.2f} | "
                     f"{_arms_cell(s0, s1)} |")
                 print(f"{server}: {rows[server][-1]}", file=sys.stderr, flush=True)
     finally:
@@ -220,9 +226,11 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
         base = servers[0]
         if len(servers) > 1:  # tokens/s of each server over the first one's, per concurrency
             head = "| concurrency | " + " | ".join(f"`{d}` tok/s" for d in servers) + " | " + \
-                " | ".join(f"`{d}` / `{base}`" for d in servers[1:]) + " |"
+                " | ".join(f"`{d}` / `{base}`" for d in servers[1:]) + " | " + \
+                " | ".join(f"`{d}` / `{base}` decoding" for d in servers[1:]) + " |"
             table = [f"| {c} | " + " | ".join(f"{tps[(d, c)]:.1f}" for d in servers) + " | " +
-                     " | ".join(f"**{tps[(d, c)] / tps[(base, c)]:.2f}x**" for d in servers[1:]) + " |"
+                     " | ".join(f"**{tps[(d, c)] / tps[(base, c)]:.2f}x**" for d in servers[1:]) + " | " +
+                     " | ".join(f"{dec[(d, c)] / dec[(base, c)]:.2f}x" for d in servers[1:]) + " |"
                      for c in args.concurrency]
             summary = ("# HTTP benchmark summary (servers side by side in one Ray, taking turns level by level)\n\n"
                        f"Command: `{command('jobs/benchmark.py')}`\n\n"
@@ -235,7 +243,11 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                           "Every concurrency level sends the same prompts, so from the second level on a server "
                           "with a suffix cache has their answers in its global tree (the warm-repeat regime of "
                           "`benchmarks/regimes.md`); only the first level is a cold pass.\n\n")
-                       + "\n".join([head, "| --- |" + " --- |" * (2 * len(servers) - 1), *table]) + "\n\n")
+                       + "\n".join([head, "| --- |" + " --- |" * (3 * len(servers) - 2), *table]) + "\n\n"
+                       + "Decoding = tokens over the time inside engine steps less the level's prefill forwards "
+                         "(the per-server tables' `prefill` share): the part of the work a drafter can speed up. "
+                         "With a prefill share p and decoding k times as fast, a level gets 1 / (p + (1 - p) / k) "
+                         "times as fast.\n\n")
         dest.write_text(summary + "\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
         print(f"wrote {dest}", file=sys.stderr)
     return out

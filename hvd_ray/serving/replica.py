@@ -109,6 +109,7 @@ class EngineLoop:
         self.failed = 0  # requests the engine failed alone (their error events were sent)
         self.steps = 0
         self.decode_s = 0.0  # time inside engine.step()
+        self.prefill_s = 0.0  # of it, the prefill forwards of finished requests
         self._thread = threading.Thread(target=self._run, name="hvd-engine-loop", daemon=True)
         self._thread.start()
 
@@ -138,6 +139,7 @@ class EngineLoop:
                 "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
                 "cache_chosen_rate": self.cache_steps / self.decode_steps if self.decode_steps else 0.0,
                 "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_tokens,
+                "prefill_s": self.prefill_s,
                 "healthy": self.error is None and self._thread.is_alive()}
 
     # ---- the loop thread
@@ -224,6 +226,7 @@ class EngineLoop:
                 self.cache_steps += sum(s.source.startswith("suffix") for s in req.stats.steps)
                 self.prompt_tokens += len(req.prompt)
                 self.cached_tokens += req.stats.cached_tokens
+                self.prefill_s += req.stats.prefill_s
                 if self.metrics:
                     self.metrics.forwards.inc(summary["target_forwards"])
                     if self.decode_steps:
