@@ -132,9 +132,9 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         "submitting and polling background calls in `mirror` mode) / time inside engine steps; in steps = time "
         "inside engine steps (prefill and decode) / wall time of the level; prefill = time in the prefill forwards "
         "of the level's requests / time inside engine steps (what no drafter can speed up); tokens/forward = "
-        "tokens a request gained per target forward it took part in (finished requests); batch arms = the level's batch steps (2 rows or "
-        "more) by the way they drafted under the cost policy (`GET /stats` `speculation`, "
-        "`engine/costs.py:SpeculationCheck`): the cache drafter's own drafts / the policy's choices / none.",
+        "tokens a request gained per target forward it took part in (finished requests); batch arms = the "
+        "level's batch steps (2 rows or more) by the way they drafted under the cost policy (`GET /stats` "
+        "`speculation`, `engine/costs.py:SpeculationCheck`): the cache drafter's own drafts / the policy's choices / none.",
         "",
         "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait | in steps | prefill | tokens/forward | batch arms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
