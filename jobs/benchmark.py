@@ -60,6 +60,10 @@ def main() -> None:
                     help="spec warm-history without --warm-traces: train-split prompts per workload decoded for the history")
     ap.add_argument("--warm-traces", default=None,
                     help="spec: seed suffix drafters' global trees with the train-split outputs in this trace folder")
+    ap.add_argument("--busy-startup", type=int, default=0, metavar="N",
+                    help="spec: time the start-up cost tables while N other processes keep the CPU busy, then "
+                         "decode on a quiet CPU (a replica started next to busy ones); compare hvd-<policy> with "
+                         "hvd-<policy>+startup-costs")
     ap.add_argument("--servers", nargs="+", default=["none", "hvd:mirror", "hvd:remote"],
                     help="http: servers to run, drafter[:suffix_actor_mode][@torch_threads] (hvd, suffix, none, "
                          "...; mirror | remote; threads: the serving default)")

@@ -197,6 +197,26 @@ def test_spec_on_a_user_prompt_file(tmp_path):
         assert res.returncode == 2 and "spec-mode option" in res.stderr, mode
 
 
+def test_spec_times_start_up_costs_on_a_busy_cpu_and_keeps_a_start_up_baseline(tmp_path):
+    """``spec --busy-startup N``: the start-up cost tables are timed while N other processes run, the
+    report says what they priced, and the run ends with the width costs each cost policy priced
+    with: ``+startup-costs`` keeps the start-up tables as they were (scale 1), side by side with the
+    policy that re-fits them from its own forwards; outputs stay greedy's (fp32)."""
+    out = tmp_path / "busy.md"
+    res = _bench("spec", "--workloads", "code", "--prompts", "2", "--max-tokens", "24", "--drafters", "hvd-cost",
+                 "hvd-cost+startup-costs", "--busy-startup", "1", "--dtype", "float32", "--threads", "1",
+                 "--out", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    md = out.read_text()
+    assert "Start-up cost tables timed while 1 other processes kept the CPU busy" in md
+    ended = md.split("Width costs the cost policies priced with when the run ended")[1].split("\n")[0]
+    assert "hvd-cost " in ended and "hvd-cost+startup-costs " in ended and ended.count("(scale 1.00)") >= 1, ended
+    rows = [ln.split("|")[2].strip() for ln in md.splitlines() if ln.startswith("| code |")]
+    assert rows == ["greedy", "hvd-cost", "hvd-cost+startup-costs"]
+    same = md.split("Outputs identical to greedy (fp32): ")[1].split("\n")[0]
+    assert same == "hvd-cost 2/2, hvd-cost+startup-costs 2/2", same
+
+
 def test_spec_regimes_and_the_dominance_table(tmp_path):
     """``spec --regimes``: every regime gets its table, the live oracle runs as a method, the P2
     table compares hvd-cost with its own drafters in each regime, and outputs stay greedy's (fp32).

@@ -92,6 +92,87 @@ def test_a_batch_s_rows_cost_what_the_engine_s_steps_measured():
     assert batch_lengths([0] * 7 + [1], doubtful, costs) == [0] * 7 + [1]
 
 
+def test_a_table_timed_on_a_busy_box_is_re_fitted_from_the_lone_forwards_decoded_after():
+    """The start-up tables are timed once; timed while another process kept the CPU busy they
+    priced an 8-token forward at 2.58 one-token ones where a quiet box gives 1.28 (and 32 tokens at
+    7.5 against 2.04). The lone verify forwards timed afterwards re-fit the width's share of the
+    cost (``width_scale``), against the 1-token time fitted with it."""
+    import random
+
+    busy = StepCosts({1: 1.0, 2: 1.4, 8: 2.58, 32: 7.5}, forward_s=0.02, measured=True)
+    quiet = {1: 1.0, 2: 1.05, 8: 1.28, 32: 2.04}
+    rnd = random.Random(0)
+    one = 0.015  # the box is also faster now than at start-up: that is the 1-token time, not the shape
+    assert busy(8) == pytest.approx(2.58) and busy.width_scale == 1.0
+    for i in range(200):
+        k = (2, 5, 9, 17, 33)[i % 5]
+        busy.observe(1, k, one * interpolate(quiet, k) * rnd.uniform(0.9, 1.1))
+    assert 0.1 < busy.width_scale < 0.25
+    assert busy(8) == pytest.approx(1.28, rel=0.15) and busy(32) == pytest.approx(2.04, rel=0.25)
+    assert busy.timed(8) == pytest.approx(2.58)  # the start-up tables themselves are kept
+
+    # the same shape on a uniformly slower box: no change of shape to read
+    same = StepCosts({1: 1.0, 8: 1.28, 32: 2.04}, forward_s=0.01, measured=True)
+    for i in range(200):
+        k = (2, 9, 33)[i % 3]
+        same.observe(1, k, 0.02 * interpolate(same.table, k) * rnd.uniform(0.9, 1.1))
+    assert same.width_scale == pytest.approx(1.0, abs=0.15)
+
+    # forwards all of one width say nothing about the slope; a few forwards are not enough either
+    flat = StepCosts({1: 1.0, 8: 2.58, 32: 7.5}, forward_s=0.02, measured=True)
+    for _ in range(100):
+        flat.observe(1, 17, 0.02)
+    assert flat.width_scale == 1.0
+    few = StepCosts({1: 1.0, 8: 2.58, 32: 7.5}, forward_s=0.02, measured=True)
+    for k in (2, 33, 2, 33, 2):
+        few.observe(1, k, 0.02)
+    assert few.width_scale == 1.0
+    # a lone forward after a long context is read at the tables' context: its 1-token time is longer
+    long = StepCosts({1: 1.0, 32: 2.0}, forward_s=0.01, long_table={1: 1.0, 32: 2.0}, long_forward_s=0.03,
+                     prefix=64, long_prefix=2064, measured=True)
+    for i in range(100):
+        k, ctx = (2, 33)[i % 2], (64, 2064)[(i // 2) % 2]
+        long.observe(1, k, long.one_s(ctx) * long(k, ctx), ctx)
+    assert long.width_scale == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_engine_feeds_its_lone_verify_forwards_to_the_width_fit(tiny_llama):
+    """A lone request's verify forwards reach ``StepCosts.observe`` (its width fit), with the
+    engine's own timings, and the output stays plain greedy's."""
+    from hvd_ray.drafters.suffix import SuffixDrafter
+    from hvd_ray.engine import Engine, SamplingParams
+    from hvd_ray.engine.engine import Choice
+
+    model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
+    measured = measure_step_costs(model, widths=(1, 2, 4, 8, 16), prefix=16, reps=2, long_prefix=0)
+    suffix = SuffixDrafter()
+    seen = []
+
+    class Observed(StepCosts):
+        def observe(self, rows, tokens, seconds, context=0):
+            seen.append((rows, tokens, context))
+            super().observe(rows, tokens, seconds, context)
+
+    class Cached:  # a cost policy that always verifies the cache's draft
+        costs = Observed(dict(measured.table), measured.forward_s, True)
+
+        def __call__(self, req, engine):
+            return Choice(suffix)
+
+    prompts = [[5, 17, 33, 2, 5, 17, 33, 2, 5, 17], [11, 12, 13, 11, 12, 13, 11, 12]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [r.output for r in Engine(model, max_batch=1, max_len=128).generate(prompts, params)]
+    policy = Cached()
+    eng = Engine(model, drafters=[suffix], policy=policy, max_batch=1, max_len=128)
+    reqs = eng.generate(prompts, params)
+    assert [r.output for r in reqs] == plain
+    steps = sum(len(r.stats.steps) for r in reqs)
+    assert len(seen) == steps and all(rows == 1 for rows, _, _ in seen)
+    assert any(tokens > 1 for _, tokens, _ in seen)  # drafted steps: a forward wider than one token
+    assert len(prompts[0]) <= seen[0][2] < seen[1][2] < len(prompts[0]) + 24  # the context before each step
+    assert policy.costs.fit[0] > 0
+
+
 def test_batch_lengths_weigh_each_row_s_own_tokens_against_its_gain():
     costs = StepCosts({1: 1.0, 8: 1.2, 16: 2.0, 64: 6.0})
     # eight rows, one with a 16-token draft worth 1.5 tokens: its first token pays (9 tokens at

@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,3 +52,25 @@ def cpu_name() -> str:
 def command(script: str) -> str:
     """The command line that ran this job, as its report quotes it."""
     return " ".join(["python", script, *sys.argv[1:]])
+
+
+# a neighbour's work: one-thread matmuls of the size of a small model's, as another replica would run
+BUSY_LOOP = "import torch; torch.set_num_threads(1); a = torch.randn(768, 768)\nwhile True: a @ a"
+
+
+@contextmanager
+def busy_cpu(processes: int):
+    """``processes`` other processes keeping the CPU busy for the ``with`` block (``spec
+    --busy-startup``: start-up costs timed as a replica started next to busy ones times them)."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for _ in range(processes)]
+    try:
+        import time
+
+        time.sleep(2.0 if procs else 0.0)  # let them import torch and start multiplying
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()

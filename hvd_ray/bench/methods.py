@@ -6,7 +6,9 @@ drafts; the suffix drafter also takes ``-f<max_spec_factor>``, ``-o<max_spec_off
 oracle, ``oracle.LiveOracle``); ``arctic-suffix`` (``peers.ArcticDrafter``); ``via-lossless`` /
 ``via-tiered`` (the model drafter + the slim tier); ``<method>+slim`` (+ the lossless slim tier) and
 ``<method>+noreuse`` (without prefix reuse: a prompt is always prefilled whole); ``hvd-<policy>+predictor=DIR``
-(another yield predictor artifact than ``--predictor``'s, e.g. an earlier one side by side).
+(another yield predictor artifact than ``--predictor``'s, e.g. an earlier one side by side);
+``hvd-<policy>+startup-costs`` (width costs as timed at start-up, never re-fitted from the decoding's
+own forwards: ``StepCosts.width_scale``, the behaviour before it).
 """
 
 from __future__ import annotations
@@ -69,8 +71,11 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
                                  max_len=max_len, tree=True)]
     elif base != "greedy":
         spec = replace(spec, drafter=base)
+    startup = False
     for extra in extras:
-        if extra == "slim":
+        if extra == "startup-costs" and base.startswith("hvd-"):
+            startup = True
+        elif extra == "slim":
             spec = replace(spec, slim=slim_mask(args.slim_mask, model.cfg.n_layers), slim_mode="lossless")
         elif extra == "noreuse":
             spec = replace(spec, prefix_reuse=False)
@@ -78,5 +83,9 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
             spec = replace(spec, predictor=extra.split("=", 1)[1])
         else:
             raise ValueError(f"unknown method suffix {extra!r} in {name!r} ('+slim', '+noreuse', "
-                             "'+predictor=DIR' for hvd-*)")
-    return build_engine(spec, model, tok, drafters=drafters, policy=oracle), oracle
+                             "'+predictor=DIR' and '+startup-costs' for hvd-*)")
+    engine = build_engine(spec, model, tok, drafters=drafters, policy=oracle)
+    costs = getattr(engine.policy, "costs", None)
+    if startup and costs is not None:  # its own copy: the costs are shared by the model's engines
+        engine.policy.costs = replace(costs, refit=False, rows=dict(costs.rows), fit=[0.0] * 5, width_scale=1.0)
+    return engine, oracle

@@ -9,11 +9,12 @@ import sys
 import time
 
 from ..engine import Engine, SamplingParams
+from ..engine.costs import measure_step_costs
 from ..model import load
 from ..selection.hvd import EAGLE3_ASSET
 from ..selection.policy import matched
 from .interleave import Runner, Runs, engine_runner, run_interleaved
-from .machine import DTYPE_NAMES, command, machine_line
+from .machine import DTYPE_NAMES, busy_cpu, command, machine_line
 from .methods import make_method
 from .peers import VLLM_METHODS, NotRun, vllm_runners
 from .prompts import prompt_ids
@@ -117,6 +118,13 @@ def bench_spec(args) -> str:
     from .regimes import agent_turn
 
     model, tok = load("default", args.dtype)
+    startup = []  # what the start-up cost tables said, when timed on a busy CPU (--busy-startup)
+    if getattr(args, "busy_startup", 0):
+        with busy_cpu(args.busy_startup):  # cached on the model: every method's engine takes these tables
+            busy = measure_step_costs(model)
+        startup.append(f"Start-up cost tables timed while {args.busy_startup} other processes kept the CPU busy "
+                       f"(`--busy-startup`), then decoding on a quiet CPU: a forward over 8 / 32 tokens priced "
+                       f"at {busy.timed(8):.2f} / {busy.timed(32):.2f} one-token forwards.")
     n_per = args.prompts or (3 if args.quick else 6)
     split = None if args.split == "all" else args.split
     prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens, split, args.user_workloads)
@@ -130,6 +138,7 @@ def bench_spec(args) -> str:
     audit: dict = {}  # regime -> [(ŷ, calibrated estimate, label)] of hvd-cost's decisions
 
     peers: list = []  # live vLLM processes, closed at the end
+    costed: dict = {}  # method -> the StepCosts its policy priced with (the latest engines')
 
     def fresh(history=()) -> dict[str, Runner]:
         runners = {}
@@ -155,6 +164,8 @@ def bench_spec(args) -> str:
                 continue
             warm_global_tree(eng.drafters, history)  # a serving system's global tree holds its past outputs
             runners[name] = engine_runner(eng, oracle)
+            if getattr(getattr(eng.policy, "costs", None), "measured", False):
+                costed[name] = eng.policy.costs
             if name == "hvd-cost":
                 runners[name] = audited(runners[name], eng.policy, labels)
         return runners
@@ -212,6 +223,11 @@ def bench_spec(args) -> str:
         measure("warm-history", fresh(history), prompts)
     for p in peers:
         p.close()
+    if costed:
+        notes.append("Width costs the cost policies priced with when the run ended (a forward over 8 / 32 tokens, "
+                     "in one-token forwards; `StepCosts.width_scale` re-fits the start-up tables from the lone "
+                     "verify forwards): " + "; ".join(
+                         f"{m} {c(8):.2f} / {c(32):.2f} (scale {c.width_scale:.2f})" for m, c in costed.items()) + ".")
     if any(n.startswith("vllm-") for n in names) and "warm-history" in regimes:
         notes.append("vLLM methods run in cold, warm-repeat and agent (same engines), not in warm-history.")
     methods = [m for m in names if any((w, m) in rows for rows in by_regime.values() for w in args.workloads)]
@@ -240,7 +256,11 @@ def bench_spec(args) -> str:
         "cache chosen = share of decode steps that verified a suffix-cache draft; prompt reused = share of "
         "prompt tokens whose K/V was already in the engine's slot (prefix reuse), not prefilled.",
         "",
+        *startup,
+        *([""] if startup else []),
     ]
+    if regimes == ["cold"] and notes:
+        lines += [*notes, ""]
     if regimes != ["cold"]:
         lines += ["Regimes (`hvd_ray/bench/regimes.py`): cold = empty history; warm-repeat = the same prompts "
                   "again on the same engines; agent = a second turn (the prompt, greedy's first answer, a "

@@ -67,10 +67,34 @@ class StepCosts:
     long_forward_s: float = 0.0
     prefix: int = 0
     long_prefix: int = 0
+    # What the tables' width costs are worth now: a forward over k tokens costs
+    # ``1 + width_scale * (table(k) - 1)``, re-fitted from the lone verify forwards the engine times
+    # (``observe``). The tables are timed once at start-up, and a replica started while the CPU
+    # was busy (another replica starting, a test suite) priced an 8-token forward at 2.58 one-token
+    # ones where a quiet box gives 1.28, for its whole life: it then declined drafts that pay.
+    width_scale: float = 1.0
+    # exponentially weighted sums over lone verify forwards: weight, x, y, x^2, x*y, where x is the
+    # width's cost by the tables, less 1, and y the forward's seconds at the tables' context
+    fit: list[float] = field(default_factory=lambda: [0.0] * 5)
+    fit_decay: float = 0.02
+    refit: bool = True  # False: keep the start-up tables' width costs (a benchmark's baseline)
 
     def __call__(self, tokens: float, context: int = 0) -> float:
         """A forward over ``tokens`` new tokens after ``context`` tokens, relative to a 1-token one
-        after as many: seconds linear in the context, through the two measured tables (and beyond)."""
+        after as many: seconds linear in the context, through the two measured tables (and beyond),
+        the width's share scaled by ``width_scale``."""
+        return 1.0 + self.width_scale * (self.timed(tokens, context) - 1.0)
+
+    def one_s(self, context: int = 0) -> float:
+        """The start-up tables' 1-token forward after ``context`` tokens, in seconds."""
+        if not self.long_table or context <= self.prefix or self.long_prefix <= self.prefix:
+            return self.forward_s
+        f = (context - self.prefix) / (self.long_prefix - self.prefix)
+        one = (1 - f) * self.forward_s + f * self.long_forward_s
+        return one if one > 0 else self.forward_s  # (extrapolated past a noisy pair of timings)
+
+    def timed(self, tokens: float, context: int = 0) -> float:
+        """``__call__`` as the start-up tables have it (no ``width_scale``)."""
         short = interpolate(self.table, tokens)
         if not self.long_table or context <= self.prefix or self.long_prefix <= self.prefix:
             return short
@@ -100,14 +124,46 @@ class StepCosts:
         batch = max(1, batch)
         return self.batch(batch, batch - 1 + width, context) / batch
 
-    def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        """Fold one measured batched verify forward into ``rows[rows]`` (needs the measured 1-token
-        time); a batch size's first forward sets it, later ones move it by ``adapt``."""
-        if rows < 2 or seconds <= 0 or self.forward_s <= 0:
+    def observe(self, rows: int, tokens: int, seconds: float, context: int = 0) -> None:
+        """Fold one measured verify forward in (needs the measured 1-token time). A batch's goes
+        into ``rows[rows]``: a batch size's first forward sets it, later ones move it by ``adapt``.
+        A lone row's (after ``context`` tokens) re-fits ``width_scale``: seconds against the tables'
+        width cost by weighted least squares, ``y = a + a * width_scale * x``, once the recent
+        forwards span enough widths to tell slope from noise; the 1-token time ``a`` is fitted with
+        it, so a box that got slower or faster overall does not read as a change of shape."""
+        if seconds <= 0 or self.forward_s <= 0:
+            return
+        if rows == 1:
+            self._fit_width(self.timed(tokens, context) - 1.0, seconds * self.forward_s / self.one_s(context))
             return
         seen = min(4.0, max(0.0, (seconds / self.forward_s - self(tokens)) / (rows - 1)))
         old = self.rows.get(rows)
         self.rows[rows] = seen if old is None else (1 - self.adapt) * old + self.adapt * seen
+
+    def _fit_width(self, x: float, y: float) -> None:
+        if not self.refit:
+            return
+        d = self.fit_decay
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self.fit[i] = (1 - d) * self.fit[i] + v
+        w, sx, sy, sxx, sxy = self.fit
+        if w < WIDTH_FIT_MIN_WEIGHT:
+            return
+        var = sxx / w - (sx / w) ** 2
+        if var < WIDTH_FIT_MIN_VAR:  # the recent forwards were all about one width: no slope to read
+            return
+        slope = (sxy / w - sx / w * sy / w) / var
+        a = sy / w - slope * sx / w
+        if a > 0:
+            self.width_scale = min(WIDTH_SCALE_MAX, max(WIDTH_SCALE_MIN, slope / a))
+
+
+# ``StepCosts.width_scale``'s fit: at least this much weight (~16 lone steps) and a spread of widths
+# (variance of the tables' relative cost; bf16 here: 2-token 1.03, 17-token 1.32, 33-token 1.7);
+# the scale stays within a factor 10 of the start-up tables (a busy start-up here: ~0.17)
+WIDTH_FIT_MIN_WEIGHT = 16.0
+WIDTH_FIT_MIN_VAR = 0.1 ** 2
+WIDTH_SCALE_MIN, WIDTH_SCALE_MAX = 0.1, 10.0
 
 
 def batch_lengths(lengths: Sequence[int], gains: Sequence[Sequence[float]], costs: "StepCosts") -> list[int]:

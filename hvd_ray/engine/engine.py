@@ -437,6 +437,7 @@ class Engine:
         verified = dict(zip(full, self._verify_full([reqs[b] for b in full], [drafts[b] for b in full])))
         t2 = time.perf_counter()
         draft_s, verify_s = t1 - t0, t2 - t1
+        context = len(reqs[0].prompt) + len(reqs[0].output)  # a lone row's, for costs.observe
         # each row's drafting time: the step's, split as the rows' own drafting split it (a request
         # that ran the model drafter paid for it; its neighbours that verified a cache draft did not)
         own = [self._own_draft_s.get(r.req_id, 0.0) for r in reqs] if self._arm != PLAIN else [0.0] * B
@@ -469,8 +470,8 @@ class Engine:
                 self._fail(req, e, "emitting tokens")
         if self.check is not None:
             self.check.record(B, self._arm, produced, draft_s + verify_s)
-            if self.slim is None:  # one target forward over every row: what a batch costs here (costs.StepCosts)
-                self.policy.costs.observe(B, B + sum(map(len, drafts)), verify_s)
+            if self.slim is None:  # one target forward over every row: what it costs here (costs.StepCosts)
+                self.policy.costs.observe(B, B + sum(map(len, drafts)), verify_s, context)
         dt = time.perf_counter() - t0
         for r in reqs:
             r.stats.decode_s += dt
