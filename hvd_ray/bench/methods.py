@@ -85,7 +85,7 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
             raise ValueError(f"unknown method suffix {extra!r} in {name!r} ('+slim', '+noreuse', "
                              "'+predictor=DIR' and '+startup-costs' for hvd-*)")
     engine = build_engine(spec, model, tok, drafters=drafters, policy=oracle)
-    costs = getattr(engine.policy, "costs", None)
-    if startup and costs is not None:  # its own copy: the costs are shared by the model's engines
+    costs = getattr(engine.policy, "costs", None) if startup else None
+    if costs is not None:  # its own copy: the costs are shared by the model's engines
         engine.policy.costs = replace(costs, refit=False, rows=dict(costs.rows), fit=[0.0] * 5, width_scale=1.0)
     return engine, oracle
