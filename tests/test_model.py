@@ -252,12 +252,15 @@ def test_bf16_packed_weights_are_bit_identical_and_batches_run(tiny_llama):
     assert (batched[0].float() - b[0].float()).abs().max() < 0.1
 
 
-def test_a_bf16_cache_attends_with_sdpa_as_an_fp32_cache_does_with_attend(tiny_llama):
+@pytest.mark.parametrize("kernel", ["sdpa", "attend"])
+def test_a_bf16_cache_attends_as_an_fp32_cache_does(tiny_llama, kernel, monkeypatch):
     """A bf16 model's K/V are bf16 values, so a bf16 cache stores them as exactly as an fp32 one; on
-    CPU it attends through SDPA's kernel (``sdpa_attend``, bool masks) instead of ``attend``. Every
-    attention path gives the same logits to bf16 rounding: a batched prefill over runs of slots,
-    packed decode rows of different widths, a tree mask, a one-token step over different lengths,
-    a lone row's chain after its prefix."""
+    CPU it attends through SDPA's kernel (``sdpa_attend``, bool masks); decode forwards take
+    ``attend`` in bf16 where that is faster on the CPU (``bf16_decode_sdpa``; both forced here). Every attention path
+    gives the same logits to bf16 rounding: a batched prefill over runs of slots, packed decode rows
+    of different widths, a tree mask, a one-token step over different lengths, a lone row's chain
+    after its prefix."""
+    monkeypatch.setenv("HVD_BF16_ATTENTION", kernel)
     bf = Transformer.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     models = {d: bf.with_own_cache() for d in (torch.float32, torch.bfloat16)}
     for d, m in models.items():
@@ -304,3 +307,23 @@ def test_fp32_packed_weights_match_blas_and_give_each_row_the_same_bits(tiny_lla
     x = torch.randn(3, 17, lin.in_features)
     full = linear(x, lin)
     assert all(torch.equal(full[i, j], linear(x[i:i + 1, j:j + 1], lin)[0, 0]) for i in range(3) for j in range(17))
+
+
+def test_the_bf16_decode_kernel_is_timed_once_and_can_be_forced(monkeypatch):
+    """``bf16_decode_sdpa``: the environment forces either kernel at any size and rejects anything
+    else; ``auto`` times the two once per process and takes SDPA below the crossover only."""
+    from hvd_ray.model.transformer import _sdpa_crossover, bf16_decode_sdpa
+
+    monkeypatch.setenv("HVD_BF16_ATTENTION", "sdpa")
+    assert bf16_decode_sdpa(10) is True and bf16_decode_sdpa(10**6) is True
+    monkeypatch.setenv("HVD_BF16_ATTENTION", "attend")
+    assert bf16_decode_sdpa(10) is False and bf16_decode_sdpa(10**6) is False
+    monkeypatch.setenv("HVD_BF16_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="HVD_BF16_ATTENTION"):
+        bf16_decode_sdpa(10)
+    monkeypatch.setenv("HVD_BF16_ATTENTION", "auto")
+    n = _sdpa_crossover()
+    assert n >= 0.0
+    hits = _sdpa_crossover.cache_info().hits
+    assert bf16_decode_sdpa(int(min(n, 10**9)) + 1) is False or n == float("inf")
+    assert _sdpa_crossover.cache_info().hits > hits  # timed once, then remembered

@@ -14,6 +14,7 @@ One file in the spirit of gpt-fast. What a speculative engine needs beyond a pla
 from __future__ import annotations
 
 import copy
+import functools
 import glob
 import itertools
 import json
@@ -186,8 +187,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     The query heads that share a KV head are folded into the row dimension, so K/V are never
     repeated or copied (the cache is head-major, so a slot range is a plain batched-matmul operand).
     Computed in the cache's dtype (fp32 on a CPU without bf16 instructions, where bf16 batched
-    matmuls are slower than fp32 ones; a bf16 CPU cache takes ``sdpa_attend``) with an fp32
-    softmax; for decode-sized T this is several times faster than SDPA's CPU kernel.
+    matmuls are slower than fp32 ones; a bf16 CPU cache takes ``sdpa_attend``, except for decode
+    forwards where this is faster, ``bf16_decode_sdpa``) with an fp32 softmax; for decode-sized T this is several times
+    faster than SDPA's CPU kernel on most CPUs.
     ``bias`` [B, 1, G*T, S] is 0 / -inf (see ``mask_bias``) or None.
     """
     B, T, H, D = q.shape
@@ -213,6 +215,52 @@ def sdpa_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     out = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask,
                                          enable_gqa=H != k.shape[1])
     return out.transpose(1, 2).reshape(B, T, H * D).to(q.dtype)
+
+
+def bf16_decode_sdpa(keys: int) -> bool:
+    """Whether a decode forward (one new token per row) reading ``keys`` cached positions in all
+    (rows x span) over a bf16 CPU cache attends through ``sdpa_attend``, else ``attend`` in bf16
+    (forwards of several tokens a row always take SDPA). ``HVD_BF16_ATTENTION=sdpa|attend`` decides,
+    else (``auto``) SDPA below the crossover timed once per process (:func:`_sdpa_crossover`).
+    It depends on the CPU: on a Xeon with AMX SDPA's decode was the faster (``sdpa_attend``); on an
+    AMD EPYC Zen 4 (``avx512_bf16``, no AMX) SDPA's one-query kernel costs ~0.6 us per key and row
+    against ``attend``'s ~0.03 on top of ~90 us (2 threads, per layer: 165 vs 107 us for one row
+    of 256 keys, 1,201 vs 207 for 8 rows), so past ~100 keys ``attend`` is the faster. (A batch's
+    verify forwards through ``attend`` too were faster alone, 0.33-0.55 of SDPA's time for 8 rows of
+    2-16 tokens, but slower in serving: hvd over HTTP at concurrency 8 went 72.5 -> 63.3 tok/s.)"""
+    choice = os.environ.get("HVD_BF16_ATTENTION", "auto")
+    if choice not in ("auto", "sdpa", "attend"):
+        raise ValueError(f"HVD_BF16_ATTENTION must be auto, sdpa or attend, got {choice!r}")
+    return keys < _sdpa_crossover() if choice == "auto" else choice == "sdpa"
+
+
+@functools.cache
+def _sdpa_crossover() -> float:
+    """Keys (rows x span) of a decode forward from which ``attend`` beats ``sdpa_attend`` on this CPU:
+    both timed at one query over 64 and 1,024 keys (interleaved, medians, the process's torch
+    threads, ~0.05 s once), each fitted as a line in the keys; inf where SDPA is never slower."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    fit: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        for S in (64, 1024):
+            q = torch.randn(1, 1, 9, 64, generator=g).bfloat16()
+            k, v = (torch.randn(1, 3, S, 64, generator=g).bfloat16() for _ in range(2))
+            runs: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(7):
+                for sdpa in (True, False):
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        sdpa_attend(q, k, v, None) if sdpa else attend(q, k, v, None)
+                    runs[sdpa].append(time.perf_counter() - t0)
+            for sdpa in runs:
+                fit[sdpa].append(sorted(runs[sdpa])[3])
+    (s0, s1), (a0, a1) = fit[True], fit[False]
+    slope_s, slope_a = (s1 - s0) / 960, (a1 - a0) / 960
+    if slope_s <= slope_a:
+        return math.inf if s1 <= a1 else 0.0
+    return max(0.0, 64 + (a0 - s0) / (slope_s - slope_a))
 
 
 def run_bias(bias: Tensor, T: int, w: int) -> Tensor:
@@ -467,7 +515,7 @@ class _StepContext:
     write_pos: Tensor | None = None
     valid: Tensor | None = None  # packed rows: flat indices of the real tokens in [B * T]
     padded: tuple[int, int] = (0, 0)  # (B, T) of the padded layout
-    sdpa: bool = False  # a bf16 cache on CPU (``Transformer.setup_cache``): attention runs sdpa_attend
+    sdpa: bool = False  # a bf16 cache on CPU, unless a decode forward where attend is faster (bf16_decode_sdpa)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         return (sdpa_attend if self.sdpa else attend)(q, k, v, mask)
@@ -513,7 +561,8 @@ class Transformer(nn.Module):
         (``avx512_bf16``, AMX), where it is fp32: attention there runs ``attend``'s matmuls in the
         cache dtype, and CPU bf16 batched matmuls measured about 2x slower than fp32 ones (bf16
         values are stored exactly either way). A bf16 cache on CPU attends with SDPA's kernel
-        (``sdpa_attend``): batch-8 decode here 1.17x as fast, batch 1 after 4,000 tokens 1.24x.
+        (``sdpa_attend``; decode forwards where ``attend`` is faster take that, ``bf16_decode_sdpa``):
+        on a Xeon with AMX batch-8 decode 1.17x as fast, batch 1 after 4,000 tokens 1.24x.
         """
         if max_len > self.cfg.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's context ({self.cfg.max_position})")
@@ -585,7 +634,8 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.rope_cos, self.rope_sin, pos, self.dtype)
 
         contiguous = (slots[0], starts[0]) if B == 1 else None
-        sdpa = dev.type == "cpu" and cache.k[0].dtype == torch.bfloat16
+        # a bf16 CPU cache attends through SDPA, except decode forwards past the measured crossover
+        sdpa = dev.type == "cpu" and cache.k[0].dtype == torch.bfloat16 and (T > 1 or bf16_decode_sdpa(B * span))
         mask = prefix = None
         pad = 0
         if contiguous is not None and starts[0] > 0 and attn_mask is None and T >= PREFIX_SDPA_MIN:
