@@ -188,8 +188,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     repeated or copied (the cache is head-major, so a slot range is a plain batched-matmul operand).
     Computed in the cache's dtype (fp32 on a CPU without bf16 instructions, where bf16 batched
     matmuls are slower than fp32 ones; a bf16 CPU cache takes ``sdpa_attend``, except for decode
-    forwards where this is faster, ``bf16_decode_sdpa``) with an fp32 softmax; for decode-sized T this is several times
-    faster than SDPA's CPU kernel on most CPUs.
+    forwards where this is faster, ``bf16_decode_sdpa``) with an fp32 softmax; for decode-sized T
+    this is several times faster than SDPA's CPU kernel on most CPUs.
     ``bias`` [B, 1, G*T, S] is 0 / -inf (see ``mask_bias``) or None.
     """
     B, T, H, D = q.shape
