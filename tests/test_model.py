@@ -256,10 +256,10 @@ def test_bf16_packed_weights_are_bit_identical_and_batches_run(tiny_llama):
 def test_a_bf16_cache_attends_as_an_fp32_cache_does(tiny_llama, kernel, monkeypatch):
     """A bf16 model's K/V are bf16 values, so a bf16 cache stores them as exactly as an fp32 one; on
     CPU it attends through SDPA's kernel (``sdpa_attend``, bool masks); decode forwards take
-    ``attend`` in bf16 where that is faster on the CPU (``bf16_decode_sdpa``; both forced here). Every attention path
-    gives the same logits to bf16 rounding: a batched prefill over runs of slots, packed decode rows
-    of different widths, a tree mask, a one-token step over different lengths, a lone row's chain
-    after its prefix."""
+    ``attend`` in bf16 where that is faster on the CPU (``bf16_decode_sdpa``; both forced here).
+    Every attention path gives the same logits to bf16 rounding: a batched prefill over runs of
+    slots, packed decode rows of different widths, a tree mask, a one-token step over different
+    lengths, a lone row's chain after its prefix."""
     monkeypatch.setenv("HVD_BF16_ATTENTION", kernel)
     bf = Transformer.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     models = {d: bf.with_own_cache() for d in (torch.float32, torch.bfloat16)}
