@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from hvd_ray.bench.interleave import prefix_agreement  # noqa: E402
 from hvd_ray.bench.machine import machine_line  # noqa: E402
 from hvd_ray.bench.prompts import prompt_ids  # noqa: E402
-from hvd_ray.bench.scoring import NO_NET, bfcl_match, extract_code, parse_tool_calls, run_tests  # noqa: E402
+from hvd_ray.bench.scoring import bfcl_match, extract_code, parse_tool_calls, run_tests, sandbox_info  # noqa: E402
 from hvd_ray.build import EngineSpec, build_engine  # noqa: E402
 from hvd_ray.dimr import describe_mask, resolve_mask  # noqa: E402
 from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
@@ -223,8 +223,7 @@ def main() -> None:
             "",
             "Lossless modes equal greedy by construction (q verifies every token; token-identical in fp32, "
             "tests/test_tiered.py), so only tiered modes are scored separately. HumanEval tests ran "
-            + ("without network (unshare -rn)" if NO_NET else "WITH network access (unshare unavailable)")
-            + ", python -I, 10 s timeout, 2 GiB address space.",
+            + f"in this sandbox: {sandbox_info()['summary']}.",
             "",
         ] + quality + [""]
     text = "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(

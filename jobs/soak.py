@@ -9,7 +9,9 @@ Starts a local Ray + Serve application with the serving defaults (what ``make ru
    or not, sampled or greedy, 10 % of streams hang up early), with the replica's RSS, free KV slots,
    live suffix-tree requests and the suffix actor's requests read before and after;
 2. fuzz: schemathesis over /openapi.json (bench/fuzz.py), outcome counts;
-3. fault: the model replica killed under load (bench/faults.py): outcomes and time to recovery.
+3. fault: the model replica killed under load (bench/faults.py): outcomes and time to recovery;
+4. overload: 2x, 8x and 32x as many concurrent clients as KV slots (``--overload``), each level
+   sending twice as many requests as clients: served, shed (503 + Retry-After), failed, latency.
 
 Writes a markdown report (and its data as JSON beside it) with the command of each phase;
 ``--phases fault`` reruns one phase and keeps the others' results from the JSON.
@@ -28,12 +30,16 @@ import time
 from pathlib import Path
 
 KEY = "sk-soak"
+PHASES = ["soak", "fuzz", "fault", "overload"]
 
 
 def _actor_requests() -> int:
     import ray
 
-    return ray.get(ray.get_actor("hvd-suffix-drafter", namespace="hvd_ray").stats.remote())["requests"]
+    from hvd_ray.serving.suffix_actor import service_actors
+
+    (actor,) = service_actors("hvd-suffix-drafter").values()
+    return ray.get(actor.stats.remote())["requests"]
 
 
 def main() -> None:
@@ -44,7 +50,9 @@ def main() -> None:
     ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                     help="a serving config key (hvd_ray/serving/config.py), e.g. dtype=float32")
     ap.add_argument("--fuzz-examples", type=int, default=50, help="schemathesis examples per route and mode")
-    ap.add_argument("--phases", nargs="+", default=["soak", "fuzz", "fault"], choices=["soak", "fuzz", "fault"])
+    ap.add_argument("--phases", nargs="+", default=PHASES, choices=PHASES)
+    ap.add_argument("--overload", nargs="+", type=int, default=[2, 8, 32], metavar="X",
+                    help="overload levels: clients as a multiple of the KV slots (default 2 8 32)")
     ap.add_argument("--out", default="benchmarks/reliability.md")
     args = ap.parse_args()
 
@@ -59,6 +67,7 @@ def main() -> None:
     from hvd_ray.bench.faults import kill_replica_under_load
     from hvd_ray.bench.fuzz import fuzz
     from hvd_ray.bench.load import real_prompts, run_load, wait_idle
+    from hvd_ray.bench.machine import cpu_name, machine_line, versions
     from hvd_ray.serving import ServingConfig, build_app
 
     conf = {"num_replicas": 1, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.arg)}}
@@ -72,7 +81,7 @@ def main() -> None:
     serve.run(build_app(cfg), name="hvd", route_prefix="/")
     out = Path(args.out)
     data = out.with_suffix(".json")
-    report: dict = json.loads(data.read_text()) if data.exists() and len(args.phases) < 3 else {}
+    report: dict = json.loads(data.read_text()) if data.exists() and len(args.phases) < len(PHASES) else {}
     cmd = "python jobs/soak.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     try:
         with httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {KEY}"}) as http:
@@ -92,7 +101,8 @@ def main() -> None:
             if "fuzz" in args.phases:
                 print("[fuzz] schemathesis ...", flush=True)
                 t0 = time.perf_counter()
-                outcomes = fuzz(url, KEY, {"positive": args.fuzz_examples, "negative": args.fuzz_examples})
+                outcomes = fuzz(url, KEY, {"positive": args.fuzz_examples, "negative": args.fuzz_examples,
+                                           "nasty": args.fuzz_examples})
                 report["fuzz"] = {"outcomes": {f"{r} {m} {s}": n for (r, m, s), n in sorted(outcomes.items())},
                                   "s": time.perf_counter() - t0, "command": cmd, "config": conf}
             if "fault" in args.phases:
@@ -101,6 +111,23 @@ def main() -> None:
                                             prompts=real_prompts(max_chars=2000))
                 report["fault"] = {**k.load.summary(), "hung": k.hung, "healthy_s": k.healthy_s,
                                    "recovery_s": k.recovery_s, "probes": k.probes, "command": cmd, "config": conf}
+            if "overload" in args.phases:
+                levels = []
+                for x in args.overload:
+                    clients = x * cfg.max_batch
+                    print(f"[overload] {clients} clients ({x}x the slots), {2 * clients} requests", flush=True)
+                    res = asyncio.run(run_load(url, concurrency=clients, requests=2 * clients, api_key=KEY,
+                                               max_tokens=args.max_tokens, disconnect_share=0.0, seed=x,
+                                               prompts=real_prompts(max_chars=2000)))
+                    idle = wait_idle(http, timeout=300)
+                    levels.append({**res.summary(), "x": x, "clients": clients, "slots_free_after": idle["free_slots"],
+                                   "slots": idle["slots"]})
+                    print("[overload]", json.dumps(levels[-1]), flush=True)
+                report["overload"] = {"levels": levels, "command": cmd, "config": conf,
+                                      "queue": cfg.replica_max_ongoing() + cfg.replica_max_queued(),
+                                      "first_token_timeout_s": cfg.first_token_timeout_s,
+                                      "machine": f"{cpu_name()}; {machine_line()}", "versions": versions(),
+                                      "date": time.strftime("%Y-%m-%d")}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -109,12 +136,17 @@ def main() -> None:
     write(report, out)
 
 
+def _secs(x: float) -> str:
+    return "-" if x != x else f"{x:.2f} s"  # NaN: nothing to time
+
+
 def _kind(e: str) -> str:
     return "503" if e.startswith("HTTP 503") else "an error event on the stream" if "error event" in e else e[:80]
 
 
 def write(r: dict, out: Path) -> None:
     s, f, k = r["soak"], r["fuzz"], r["fault"]
+    o = r.get("overload")
     errors = "; ".join(f"{n}x {e}" for e, n in s["errors"].items()) or "none"
     lines = [
         "# Reliability: soak, fuzz, replica kill",
@@ -164,6 +196,29 @@ def write(r: dict, out: Path) -> None:
         "requests)",
         "",
     ]
+    if o:
+        lines += [
+            "## Overload: clients at 2x, 8x, 32x the KV slots",
+            "",
+            f"`{o['command']}` ({o['date']}; {o['machine']}; {o['versions']})",
+            "",
+            f"Each level sends twice as many requests as it has clients, each client sending its next request when "
+            f"the last one ends. A replica admits {o['queue']} requests (running, waiting for a slot, or queued at "
+            "the ingress: `max_ongoing_requests` + `max_queued_requests`); past that a request is shed at once with "
+            f"a 503, `Retry-After` and the OpenAI error body, and one without its first token "
+            f"{o['first_token_timeout_s']:g} s after it arrived is shed the same way.",
+            "",
+            "| clients | requests | served | shed (503 + Retry-After) | failed | p50 / p99 latency of the served | "
+            "p99 time to shed | completion tok/s | KV slots free after |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *[f"| {lv['clients']} ({lv['x']}x) | {lv['sent']} | {lv['ok']} | {lv['rejected']} | **{lv['failed']}** | "
+              f"{lv['p50_s']:.1f} / {lv['p99_s']:.1f} s | {_secs(lv['rejected_p99_s'])} | {lv['tokens_per_s']} | "
+              f"{lv['slots_free_after']} of {lv['slots']} |" for lv in o["levels"]],
+            "",
+            "Shed kinds: " + "; ".join(f"{lv['x']}x: " + (", ".join(f"{n}x {c}" for c, n in lv["reject_codes"].items())
+                                                      or "none") for lv in o["levels"]) + ".",
+            "",
+        ]
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
 

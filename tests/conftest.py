@@ -70,26 +70,36 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(config: dict, name: str):
-    """The application ``build_app(config)`` on a real local Ray + Serve; yields its base URL."""
+def serve_app(config: dict, name: str, api_key: str | None = None):
+    """The application ``build_app(config)`` on a real local Ray + Serve; yields its base URL. An
+    ``api_key`` reaches the ingress as the README says: the env HVD_RAY_API_KEY of the Ray instance."""
     import ray
     from ray import serve
 
     from hvd_ray.serving import build_app
 
+    old = os.environ.get("HVD_RAY_API_KEY")
+    if api_key:
+        os.environ["HVD_RAY_API_KEY"] = api_key  # inherited by the local Ray instance's workers
     started = False
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        started = True
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name=name, route_prefix="/")
     try:
-        yield f"http://127.0.0.1:{port}"
+        if not ray.is_initialized():
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+            started = True
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=name, route_prefix="/")
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+            if started:
+                ray.shutdown()
     finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
+        if old is None:
+            os.environ.pop("HVD_RAY_API_KEY", None)
+        else:
+            os.environ["HVD_RAY_API_KEY"] = old
 
 
 # ------------------------------------------------- real-model lossless references (test_speculative, test_tiered)

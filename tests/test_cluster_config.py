@@ -49,6 +49,18 @@ def test_cluster_yaml_installs_this_package():
     assert ".venv" in cfg.get("rsync_exclude", []), "the local virtualenv is not uploaded"
 
 
+def test_dashboard_is_not_exposed_to_the_network():
+    """The dashboard serves the job-submission API (remote code execution): loopback only."""
+    import re
+
+    cfg = _load()
+    commands = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+    hosts = [h for c in commands for h in re.findall(r"--dashboard-host[= ]\s*['\"]?([^\s'\";]+)", c)]
+    assert hosts, "the head binds the dashboard explicitly"
+    assert all(h in ("127.0.0.1", "localhost", "::1") for h in hosts), hosts
+    assert not any("0.0.0.0" in c for c in commands), commands
+
+
 @pytest.mark.parametrize("breakage", ["unknown_key", "bad_type", "head_not_a_type", "min_over_global_max"])
 def test_ray_validation_rejects_broken_variants(breakage):
     """The validator is not vacuous: a broken copy of cluster.yaml fails it."""

@@ -15,12 +15,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
+import threading
 import time
 
 import pytest
 from conftest import serve_app
 
 from hvd_ray.bench.load import wait_idle
+from hvd_ray.serving.replica import ModelReplica
+from hvd_ray.serving.suffix_actor import service_actors
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -36,16 +40,8 @@ GOOD = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "
 
 @pytest.fixture(scope="module")
 def base_url(default_folder):
-    old = os.environ.get("HVD_RAY_API_KEY")
-    os.environ["HVD_RAY_API_KEY"] = API_KEY  # inherited by the local Ray instance's workers
-    try:
-        with serve_app(CONFIG, "hvd-rel") as url:
-            yield url
-    finally:
-        if old is None:
-            os.environ.pop("HVD_RAY_API_KEY", None)
-        else:
-            os.environ["HVD_RAY_API_KEY"] = old
+    with serve_app(CONFIG, "hvd-rel", api_key=API_KEY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +109,15 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
     "prompt_longer_than_the_context": (COMP, {"prompt": "hello " * 2100, "max_tokens": 4}, 400, "prompt",
                                        "context_length_exceeded"),
     "messages_empty": (CHAT, {"messages": []}, 400, "messages", None),
+    # lone UTF-16 surrogates: valid JSON escapes, not text (UTF-8 cannot encode them)
+    "prompt_lone_surrogate": (COMP, b'{"prompt": "\\ud800", "max_tokens": 2}', 400, "prompt", "invalid_text"),
+    "message_lone_surrogate": (CHAT, b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}', 400, "messages",
+                               "invalid_text"),
+    "model_lone_surrogate": (COMP, b'{"prompt": "x", "model": "\\ud800"}', 400, "model", "invalid_text"),
+    "stop_lone_surrogate": (COMP, b'{"prompt": "x", "stop": ["a\\udc00"]}', 400, "stop", "invalid_text"),
+    "surrogate_pair_is_text": (COMP, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}', 200, None, None),
+    "stop_string_256_non_ascii": (COMP, {"prompt": "x", "stop": ["\u00e9\u6f22" * 128], "max_tokens": 2}, 200, None,
+                                  None),
 }
 
 
@@ -157,18 +162,21 @@ def test_a_30_mb_body_is_refused_before_parsing(base_url, http):
 
 
 # ---------------------------------------------------------------------------------------- fuzz
-FUZZ_EXAMPLES = {"positive": 15, "negative": 20}
+FUZZ_EXAMPLES = {"positive": 15, "negative": 20, "nasty": 30}
 
 
 def test_schemathesis_fuzz_finds_no_server_error(base_url, http):
     """Our own /openapi.json, fuzzed: valid and invalid bodies for completions and chat completions
-    and the models route. Zero 5xx; every 4xx carries the OpenAI error body; serving goes on."""
+    and the models route, and valid bodies with one nasty field (lone surrogates, huge or non-ASCII
+    stop strings, out-of-range token ids). Zero 5xx; every 4xx carries the OpenAI error body; serving
+    goes on."""
     from hvd_ray.bench.fuzz import fuzz
 
     outcomes = fuzz(base_url, API_KEY, FUZZ_EXAMPLES)
     print("fuzz outcomes:", dict(outcomes))
     assert sum(outcomes.values()) >= 2 * sum(FUZZ_EXAMPLES.values())
     assert any(k[2] == 200 for k in outcomes) and any(400 <= k[2] < 500 for k in outcomes)
+    assert sum(n for k, n in outcomes.items() if k[1] == "nasty") >= 2 * FUZZ_EXAMPLES["nasty"]
     _good(http)
 
 
@@ -204,7 +212,7 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
     spec = after["speculation"]
     assert spec and all(e["preferred"] in ("cache", "policy", "plain") for e in spec.values()), spec
     assert sum(a["steps"] for e in spec.values() for a in e["arms"].values()) > 0, spec
-    actor = ray.get_actor("hvd-suffix-drafter", namespace="hvd_ray")
+    (actor,) = service_actors("hvd-suffix-drafter").values()
     deadline = time.monotonic() + 30
     while ray.get(actor.stats.remote())["requests"] and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -215,6 +223,139 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
     # after ~50 requests (benchmarks/memory.md). The bound catches anything worse than ~10 MiB a request
     growth = (rss[1] - rss[0]) / 2**20
     assert growth < 256, f"replica RSS grew {growth:.0f} MiB over the second wave of 24 requests"
+
+
+# ------------------------------------------------------------------------------ overload and deadlines
+def test_64_concurrent_requests_on_4_slots_are_served_or_shed_at_once(base_url, http):
+    """Far past the slots every request still ends: a 200, or a 503 with Retry-After and the OpenAI
+    body (the replicas' queue is bounded) that comes at once; none hangs. Afterwards the KV slots,
+    the suffix trees and the shared actor's requests are back to idle and a normal request succeeds."""
+    from hvd_ray.bench.load import real_prompts, run_load
+    from hvd_ray.serving import ServingConfig
+
+    cfg = ServingConfig.model_validate(CONFIG)
+    _good(http)
+    t0 = time.monotonic()
+    res = asyncio.run(run_load(base_url, concurrency=64, requests=64, max_tokens=16, disconnect_share=0.0,
+                               api_key=API_KEY, seed=3, prompts=real_prompts(max_chars=2000), timeout_s=300))
+    wall = time.monotonic() - t0
+    s = res.summary()
+    print("64 at once on 4 slots:", json.dumps(s))
+    assert res.failed == 0, s["errors"]
+    assert res.ok + res.rejected == 64
+    admitted = cfg.replica_max_ongoing() + cfg.replica_max_queued()
+    assert res.ok >= admitted and res.rejected >= 64 - admitted - cfg.max_batch, s  # a few may slip in as others end
+    assert set(res.reject_codes) <= {"503 server_overloaded", "503 first_token_timeout"}, s
+    assert res.percentile(res.rejected_s, 50) < 2.0, s  # shed at once, not after queueing
+    assert wall < cfg.first_token_timeout_s + 120, s
+    after = wait_idle(http)
+    assert after["running"] == 0 and after["waiting"] == 0 and after["free_slots"] == after["slots"], after
+    assert after["live_drafter_requests"] == 0, after
+    (actor,) = service_actors("hvd-suffix-drafter").values()
+    deadline = time.monotonic() + 30
+    import ray
+
+    while ray.get(actor.stats.remote())["requests"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.get(actor.stats.remote())["requests"] == 0
+    _good(http)
+
+
+def test_health_answers_at_once_with_10_long_streams_in_flight(base_url, http):
+    """/health never queues behind generation: with 10 streams in flight on 4 slots (2 of them queued
+    for the replica) it answers 200 in under a second, five times in a row."""
+    import threading
+
+    import httpx
+
+    started, ended = threading.Semaphore(0), []
+    body = {"messages": [{"role": "user", "content": "Count from one to one hundred."}], "max_tokens": 16,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{base_url}{CHAT}", json=body, headers=http.headers, timeout=300) as r:
+            assert r.status_code == 200
+            first = True
+            for line in r.iter_lines():
+                if first and line.startswith("data: "):
+                    first = False
+                    started.release()
+        ended.append(time.monotonic())
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for _ in range(MAX_BATCH):
+        assert started.acquire(timeout=120)
+    took = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        r = httpx.get(f"{base_url}/health", timeout=10)
+        took.append(time.perf_counter() - t0)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    checked = time.monotonic()
+    for t in threads:
+        t.join(timeout=300)
+    print("health latencies (s):", [round(x, 3) for x in took])
+    assert max(took) < 1.0, took
+    assert len(ended) == 10 and max(ended) > checked  # the streams were still running while /health answered
+
+
+def test_200_slow_body_clients_are_cut_at_the_body_deadline(base_url, http):
+    """200 clients that send their body at 1 byte/s: a normal request is not delayed by more than a
+    few seconds, and each slow client gets a 408 at the body deadline (it pins nothing for longer)."""
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    from hvd_ray.serving import ServingConfig
+
+    limit = ServingConfig.model_validate(CONFIG).body_timeout_s
+    host, port = urlsplit(base_url).hostname, urlsplit(base_url).port
+    t0 = time.perf_counter()
+    _good(http)
+    alone = time.perf_counter() - t0
+    payload = json.dumps(GOOD).encode()
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+
+    async def slow_client() -> tuple[float, bytes]:
+        loop = asyncio.get_running_loop()
+        reader, writer = await asyncio.open_connection(host, port)
+        t = loop.time()
+        try:
+            writer.write(head)
+            for b in payload:  # one byte a second until the server answers or hangs up
+                writer.write(bytes([b]))
+                await writer.drain()
+                try:
+                    answer = await asyncio.wait_for(reader.read(4096), timeout=1.0)
+                    return loop.time() - t, answer
+                except TimeoutError:
+                    continue
+            return loop.time() - t, b""
+        except ConnectionError:
+            return loop.time() - t, b""
+        finally:
+            writer.close()
+
+    async def run() -> tuple[list, float]:
+        clients = [asyncio.create_task(slow_client()) for _ in range(200)]
+        await asyncio.sleep(3)
+        async with httpx.AsyncClient(base_url=base_url, headers=http.headers, timeout=120) as c:
+            t = time.perf_counter()
+            r = await c.post(CHAT, json=GOOD)
+            took = time.perf_counter() - t
+            assert r.status_code == 200, r.text
+        return await asyncio.gather(*clients), took
+
+    slow, took = asyncio.run(run())
+    print(f"a normal request: {alone:.2f} s alone, {took:.2f} s beside 200 slow-body clients")
+    assert took < alone + 5.0
+    statuses = [answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.1 ") else answer[:40] for _, answer in slow]
+    assert statuses == [b"408"] * 200, statuses[:5]
+    assert max(t for t, _ in slow) < limit + 5.0, max(t for t, _ in slow)
+    _good(http)
 
 
 # -------------------------------------------------------------------------------------- faults
@@ -236,4 +377,83 @@ def test_killing_the_model_replica_under_load(base_url, http):
     assert all(e.startswith("HTTP 503") or e.startswith("ValueError: error event: the model replica failed")
                for e in k.load.errors), k.load.errors
     assert k.probes[-1] == 200 and set(k.probes[:-1]) <= {503}, k.probes
-    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/health").json()["status"] == "ok"
+
+
+# -------------------------------------------------------------------------------------- liveness
+class _HangsOnce(ModelReplica.func_or_class):
+    """A model replica whose engine step hangs forever once a marker file exists (removed first, so
+    the replica Serve starts in its place decodes normally): a stuck collective or remote call."""
+
+    def __init__(self, config: dict, marker: str):
+        super().__init__(config)
+        step = self.engine.step
+
+        def step_or_hang():
+            if os.path.exists(marker):
+                os.remove(marker)
+                threading.Event().wait()
+            return step()
+
+        self.engine.step = step_or_hang
+
+
+def test_a_stuck_engine_step_makes_the_replica_unhealthy_and_serve_replaces_it(base_url, tmp_path):
+    """With a step that never returns the replica reports unhealthy within step_timeout_s plus
+    Serve's three health-check periods, Serve replaces it, clients get 503s (no hang), and the new
+    replica serves."""
+    import threading as th
+
+    import httpx
+    import ray
+    from ray import serve
+
+    from hvd_ray.serving import ServingConfig
+    from hvd_ray.serving.ingress import OpenAIIngress
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = ServingConfig.model_validate({
+        "dtype": "float32", "drafter": "suffix", "suffix_actor": False, "max_batch": 2, "max_tokens": 16,
+        "max_model_len": 1024, "torch_threads": 1, "step_timeout_s": 5, "first_token_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 2, "num_replicas": 1})
+    conf = cfg.model_dump()
+    marker = tmp_path / "hang"
+    replica = serve.deployment(name="ModelReplica", health_check_period_s=1, max_ongoing_requests=4,
+                               graceful_shutdown_timeout_s=2, ray_actor_options={"num_cpus": 0.3})(_HangsOnce)
+    app = OpenAIIngress.options(ray_actor_options={"num_cpus": 0.1}).bind(replica.bind(conf, str(marker)), conf)
+    serve.run(app, name="hvd-stuck", route_prefix="/stuck")
+    url, headers = f"{base_url}/stuck", {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=300) as c:
+            assert c.get("/health").status_code == 200
+            assert c.post(CHAT, json=GOOD).status_code == 200
+            marker.touch()
+            outcomes: list = []
+
+            def client(stream: bool) -> None:
+                t = time.monotonic()
+                r = c.post(CHAT, json={**GOOD, "stream": stream})
+                outcomes.append((r.status_code, r.headers.get("retry-after"), time.monotonic() - t, r.text[:200]))
+
+            clients = [th.Thread(target=client, args=(i % 2 == 1,), daemon=True) for i in range(3)]
+            t0 = time.monotonic()
+            for t in clients:
+                t.start()
+            while c.get("/health").status_code == 200:
+                assert time.monotonic() - t0 < 60, "the stuck replica was never reported unhealthy"
+                time.sleep(0.2)
+            unhealthy = time.monotonic() - t0
+            for t in clients:
+                t.join(timeout=120)
+            assert not any(t.is_alive() for t in clients), "a client hung"
+            while c.get("/health").status_code != 200:
+                assert time.monotonic() - t0 < 300, "no replica replaced the stuck one"
+                time.sleep(0.5)
+            replaced = time.monotonic() - t0
+            print(f"stuck step: unhealthy after {unhealthy:.1f} s, replaced after {replaced:.1f} s; "
+                  f"clients: {outcomes}")
+            assert unhealthy < cfg.step_timeout_s + 3 * 1 + 10
+            assert [o[0] for o in outcomes] == [503] * 3, outcomes
+            assert c.post(CHAT, json=GOOD).status_code == 200
+    finally:
+        serve.delete("hvd-stuck")

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import serve_app
 
+from hvd_ray.serving.suffix_actor import service_actors
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 slow = pytest.mark.slow  # the integration tests (real Ray + Serve + model); the unit tests below are fast
@@ -25,7 +27,7 @@ slow = pytest.mark.slow  # the integration tests (real Ray + Serve + model); the
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "sk-hvd-test"
 CONFIG = {"model": "default", "dtype": "float32", "drafter": "suffix", "max_batch": 4, "max_model_len": 1024,
-          "max_tokens": 512, "api_key": API_KEY, "torch_threads": 2,
+          "max_tokens": 512, "torch_threads": 2,
           "ray_actor_options": {"num_cpus": 0.5}, "ingress_ray_actor_options": {"num_cpus": 0.1}}
 PROMPT = "The capital of France is"
 CHAT = "Name three colours."
@@ -34,7 +36,7 @@ N = 16
 
 @pytest.fixture(scope="module")
 def base_url(default_folder):  # default_folder: the model is provisioned before Ray starts
-    with serve_app(CONFIG, "hvd-test") as url:
+    with serve_app(CONFIG, "hvd-test", api_key=API_KEY) as url:
         yield url
 
 
@@ -103,7 +105,7 @@ def greedy(http):
 def test_health_models_and_auth(base_url, http):
     import httpx
 
-    assert httpx.get(f"{base_url}/health", timeout=60).json() == {"status": "ok"}  # no key needed
+    assert httpx.get(f"{base_url}/health", timeout=60).json()["status"] == "ok"  # no key needed
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "default"
     assert models["data"][0]["max_model_len"] == 1024
@@ -365,7 +367,7 @@ def test_client_disconnect_frees_the_slot(http):
     assert time.monotonic() - t0 < 60
     res = _complete(http, prompt=PROMPT, max_tokens=4)
     assert res["choices"][0]["finish_reason"] == "length" and res["usage"]["completion_tokens"] == 4
-    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/health").json()["status"] == "ok"
 
 
 @slow
@@ -423,7 +425,7 @@ def test_96_cancelled_streams_leave_no_state(base_url, http):
     deadline = time.monotonic() + 30  # the replica ships the last `end`s to the actor when idle
     while True:
         s = http.get("/stats").json()
-        actor = ray.get_actor(CONFIG.get("suffix_actor_name", "hvd-suffix-drafter"), namespace="hvd_ray")
+        (actor,) = service_actors(CONFIG.get("suffix_actor_name", "hvd-suffix-drafter")).values()
         if s["live_drafter_requests"] == 0 and ray.get(actor.stats.remote())["requests"] == 0:
             break
         assert time.monotonic() < deadline, (s, ray.get(actor.stats.remote()))
@@ -440,7 +442,7 @@ def test_killing_the_suffix_actor_fails_no_request(http):
 
     prompts = ["def add(a, b):", "The three primary colours are", "import numpy as np\n", "Dear Sir,"]
     want = [_complete(http, prompt=p, max_tokens=40)["choices"][0]["text"] for p in prompts]
-    actor = ray.get_actor("hvd-suffix-drafter", namespace="hvd_ray")
+    (actor,) = service_actors("hvd-suffix-drafter").values()
     first = ray.get(actor.stats.remote())["incarnation"]
     with ThreadPoolExecutor(8) as pool:
         futs = [pool.submit(_complete, http, prompt=p, max_tokens=40) for p in prompts * 2]
@@ -543,7 +545,7 @@ def test_protocol_limits():
     assert P.CompletionRequest(prompt="héllo").prompt_size() == (5, "characters")
 
 
-def test_api_key_comes_from_the_environment_of_the_process_that_checks(monkeypatch):
+def test_api_key_comes_from_the_environment_of_the_process_that_checks(monkeypatch, tmp_path):
     from hvd_ray.serving import ServingConfig
 
     monkeypatch.delenv("HVD_RAY_API_KEY", raising=False)
@@ -552,7 +554,18 @@ def test_api_key_comes_from_the_environment_of_the_process_that_checks(monkeypat
     monkeypatch.setenv("HVD_RAY_API_KEY", "sk-env")
     assert ServingConfig().api_key is None  # never copied into the config (hence never into Serve args)
     assert cfg.resolved_api_key() == "sk-env"  # read where the key is checked (the ingress replica)
-    assert ServingConfig(api_key="sk-file").resolved_api_key() == "sk-file"
+    with pytest.raises(ValueError, match="may not be set in the application's args"):
+        ServingConfig(api_key="sk-args")  # Serve shows and logs an application's args
+    monkeypatch.setenv("HVD_RAY_API_KEY", "  ")
+    with pytest.raises(ValueError, match="set but empty"):  # never a silent "no auth"
+        cfg.resolved_api_key()
+    monkeypatch.delenv("HVD_RAY_API_KEY")
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-file\n")
+    assert ServingConfig(api_key_file=str(key_file)).resolved_api_key() == "sk-file"
+    key_file.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        ServingConfig(api_key_file=str(key_file)).resolved_api_key()
     assert cfg.prompt_char_limit() == 32 * cfg.max_model_len
 
 

@@ -4,6 +4,7 @@ The proxy must draft exactly what an in-process ``SuffixDrafter`` drafts on the 
 (one round trip per step), share the global tree between clients (replicas), and survive the actor
 being killed: empty drafts while it is down, then a resync of the live requests once Ray restarts it.
 The mirror proxy drafts locally and shares finished outputs through the actor in the background.
+One actor per model and suffix config: another of either gets its own.
 """
 
 from __future__ import annotations
@@ -207,6 +208,46 @@ def test_mirror_keeps_drafting_while_the_actor_restarts(ray_local):
         ray_local.kill(actor)
 
 
+def test_one_actor_per_model_and_config(ray_local):
+    """Replicas of one model and config share an actor; another model or config (a redeploy, or a
+    second application on the cluster) gets its own, so no replica drafts from another model's
+    token ids or with stale settings. Actors no client calls any more are found and killed."""
+    from hvd_ray.serving.suffix_actor import actor_name, service_actor, service_actors, stale_actors
+
+    base = "test-suffix-identity"
+    conf = {"max_depth": 32}
+    try:
+        a = service_actor(base, config=conf, model="model-a")
+        same = service_actor(base, config=dict(conf), model="model-a")
+        other_model = service_actor(base, config=conf, model="model-b")
+        other_config = service_actor(base, config={"max_depth": 16}, model="model-a")
+        actors = (a, same, other_model, other_config)
+        inc = [ray_local.get(x.stats.remote(), timeout=60)["incarnation"] for x in actors]
+        assert inc[0] == inc[1] and len(set(inc)) == 3
+        assert ray_local.get(other_model.identity.remote())["model"] == "model-b"
+        assert ray_local.get(other_config.identity.remote())["config"]["max_depth"] == 16
+        assert actor_name(base, "m", {}) == actor_name(base, "m", {"max_depth": 64}) != actor_name(base, "m", conf)
+        ray_local.get(a.publish.remote("c", [1, 2, 3]))
+        assert ray_local.get(same.stats.remote())["published"] == 1
+        assert ray_local.get(other_model.stats.remote())["published"] == 0  # trees are not shared
+
+        names = {n: actor_name(base, m, c) for n, m, c in
+                 (("a", "model-a", conf), ("model", "model-b", conf), ("config", "model-a", {"max_depth": 16}))}
+        assert set(service_actors(base)) == set(names.values())
+        time.sleep(1.0)
+        ray_local.get(a.pull.remote("c", 0, None))  # a client still uses `a`
+        assert sorted(stale_actors(base, idle_s=0.5)) == sorted([names["model"], names["config"]])
+        stale_actors(base, idle_s=0.5, kill=True)
+        deadline = time.monotonic() + 30
+        while set(service_actors(base)) != {names["a"]}:
+            assert time.monotonic() < deadline, service_actors(base)
+            time.sleep(0.2)
+        assert ray_local.get(a.stats.remote())["incarnation"] == inc[0]
+    finally:
+        for actor in service_actors(base).values():
+            ray_local.kill(actor)
+
+
 @pytest.mark.slow
 def test_hvd_replica_drafts_through_the_actor_and_stays_greedy(ray_local, default_folder):
     """The serving default (drafter hvd: suffix actor + shipped EAGLE-3 head, cost policy) returns
@@ -253,4 +294,7 @@ def test_hvd_replica_drafts_through_the_actor_and_stays_greedy(ray_local, defaul
         assert sum(ev["stats"]["drafted"] for _, ev in results) > 0
     finally:
         replica.loop.shutdown()
-        ray_local.kill(ray_local.get_actor("test-hvd-replica", namespace="hvd_ray"))
+        from hvd_ray.serving.suffix_actor import service_actors
+
+        for actor in service_actors("test-hvd-replica").values():
+            ray_local.kill(actor)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -46,11 +47,12 @@ def ray_local(default_folder):  # default_folder: the model is provisioned befor
         ray.shutdown()
 
 
-def _tp_engine(folder, drafter: str = "none", **kw):
+def _tp_engine(folder, drafter: str = "none", step_timeout_s: float = 300.0, **kw):
     from hvd_ray.build import EngineSpec
     from hvd_ray.serving.tensor_parallel import TensorParallelEngine, TPEngineSpec
 
     spec = TPEngineSpec(model=str(folder), dtype="float32", torch_threads=1, timeout_s=60,
+                        step_timeout_s=step_timeout_s,
                         engine=EngineSpec(drafter=drafter, max_batch=4, max_len=256, num_draft_tokens=6, **kw))
     return TensorParallelEngine(spec, 2)
 
@@ -130,6 +132,31 @@ def test_tp2_greedy_and_logits_match_tp1(ray_local, tiny_llama):
         assert any(o.req_id == "b" and o.finish_reason == "abort" for o in seen)
         assert not any(o.req_id == "gone" for o in seen)
         assert a.output == want[0] and len(s.output) == 10
+    finally:
+        tp.shutdown()
+
+
+def test_a_hung_rank_fails_the_step_within_its_deadline(ray_local, tiny_llama):
+    """Rank 1 stuck in a collective (a forward rank 0 never joins) cannot answer the step: instead
+    of stalling the engine loop until the process-group timeout, the step raises a TimeoutError
+    naming rank 1 at ``step_timeout_s`` and every rank actor is killed."""
+    from ray.exceptions import RayActorError
+
+    tp = _tp_engine(tiny_llama, step_timeout_s=3.0)
+    workers = list(tp.workers)
+    try:
+        assert tp.step() == []  # answered by both ranks
+        stuck = workers[1].logits.remote(PROMPTS[0])  # rank 1 alone: waits in the all-reduce for 60 s
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not answer within 3s"):
+            tp.step()
+        assert time.monotonic() - t0 < 3.0 + 5.0
+        assert tp.closed and tp.workers == []
+        with pytest.raises(RuntimeError, match="shut down"):
+            tp.step()
+        for ref in [stuck] + [w.address.remote() for w in workers]:
+            with pytest.raises(RayActorError):
+                ray_local.get(ref, timeout=30)
     finally:
         tp.shutdown()
 

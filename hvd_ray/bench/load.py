@@ -26,10 +26,13 @@ class LoadResult:
     sent: int = 0
     ok: int = 0
     disconnected: int = 0  # hang-ups the driver chose (not failures)
+    rejected: int = 0  # shed by the server: a 429/503 with Retry-After (not failures: the client may retry)
     failed: int = 0
     errors: Counter = field(default_factory=Counter)  # failure kind -> count
     latency_s: list[float] = field(default_factory=list)  # whole request, completed ones
     ttft_s: list[float] = field(default_factory=list)  # first content chunk, streamed ones
+    rejected_s: list[float] = field(default_factory=list)  # how long a rejection took to arrive
+    reject_codes: Counter = field(default_factory=Counter)  # "503 server_overloaded" -> count
     completion_tokens: int = 0
     wall_s: float = 0.0
 
@@ -40,8 +43,9 @@ class LoadResult:
         return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
     def summary(self) -> dict:
-        return {"sent": self.sent, "ok": self.ok, "disconnected": self.disconnected, "failed": self.failed,
-                "errors": dict(self.errors), "wall_s": round(self.wall_s, 1),
+        return {"sent": self.sent, "ok": self.ok, "disconnected": self.disconnected, "rejected": self.rejected,
+                "failed": self.failed, "errors": dict(self.errors), "reject_codes": dict(self.reject_codes),
+                "rejected_p99_s": round(self.percentile(self.rejected_s, 99), 3), "wall_s": round(self.wall_s, 1),
                 "p50_s": round(self.percentile(self.latency_s, 50), 3),
                 "p90_s": round(self.percentile(self.latency_s, 90), 3),
                 "p99_s": round(self.percentile(self.latency_s, 99), 3),
@@ -100,6 +104,8 @@ async def _one(client, rng: random.Random, prompts: list[list[dict]], max_tokens
     try:
         if not stream:
             r = await client.post(path, json=body)
+            if _shed(r, res, t0):
+                return
             if r.status_code != 200:
                 res.failed += 1
                 res.errors[f"HTTP {r.status_code}: {r.text[:120]}"] += 1
@@ -111,6 +117,9 @@ async def _one(client, rng: random.Random, prompts: list[list[dict]], max_tokens
         else:
             async with client.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
+                    await r.aread()
+                    if _shed(r, res, t0):
+                        return
                     res.failed += 1
                     res.errors[f"HTTP {r.status_code}: {(await r.aread())[:120]!r}"] += 1
                     return
@@ -143,6 +152,20 @@ async def _one(client, rng: random.Random, prompts: list[list[dict]], max_tokens
         return
     res.ok += 1
     res.latency_s.append(time.perf_counter() - t0)
+
+
+def _shed(r, res: LoadResult, t0: float) -> bool:
+    """Count a 429/503 that carries Retry-After and an OpenAI error body as a rejection."""
+    if r.status_code not in (429, 503) or "retry-after" not in r.headers:
+        return False
+    try:
+        code = r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    res.rejected += 1
+    res.rejected_s.append(time.perf_counter() - t0)
+    res.reject_codes[f"{r.status_code} {code}"] += 1
+    return True
 
 
 async def run_load(base_url: str, *, concurrency: int = 32, duration_s: float | None = None,

@@ -22,7 +22,7 @@ from .machine import command, cpu_name, machine_line, versions
 from .methods import make_method
 from .peers import VLLM_METHODS, NotRun, hf_runner, vllm_runners
 from .prompts import prompt_ids
-from .scoring import bfcl_match, extract_code, parse_tool_calls, run_tests
+from .scoring import bfcl_match, extract_code, parse_tool_calls, run_tests, sandbox_info
 from .serve import bench_http_servers
 
 # workload -> prompt token budget (BFCL multi-turn first turns carry 4-5k tokens of function docs)
@@ -337,7 +337,7 @@ def build_report(args) -> str:
               "and BFCL exact match (tool calls vs the packaged ground truth) on this run's outputs; agreement "
               "with greedy is in the tables above. Outputs are capped at "
               f"{args.max_tokens} tokens, so absolute rates sit below `jobs/eval_quality.py`'s: compare methods "
-              "within this table.", "",
+              "within this table.", "", f"HumanEval sandbox: {sandbox_info()['summary']}.", "",
               "| workload | method | passed | rate |", "| --- | --- | --- | --- |"]
         for (w, m), (ok, n) in sorted(quality.items()):
             L.append(f"| {WORKLOAD_LABEL[w]} | {m} | {ok}/{n} | {ok / n:.0%} |")

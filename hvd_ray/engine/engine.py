@@ -637,8 +637,12 @@ class Engine:
                 break
         req.output += kept
         if p.stop and self.detokenize and not req.finished:
-            text = self.detokenize(req.output[-(len(kept) + 32):])
-            if any(s in text for s in p.stop):
+            new = kept
+            if req.stop_scan is None:  # incremental over the whole output text: no stop string is too long
+                from .text import StopScanner
+
+                req.stop_scan, new = StopScanner(self.detokenize, p.stop), req.output
+            if req.stop_scan.push(new):
                 req.finish_reason = "stop"
         if kept:  # also when finishing, so e.g. the suffix cache keeps the whole output
             for d in self.drafters:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .text import StopScanner
+
 MIN_TEMPERATURE = 1e-5  # a smaller temperature is greedy decoding (as in vLLM)
 
 
@@ -118,6 +120,7 @@ class Request:
     error: str | None = None  # why this request failed (finish_reason "error"); the others go on
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    stop_scan: StopScanner | None = field(default=None, repr=False)  # the engine's stop-string search
 
     @property
     def finished(self) -> bool:

@@ -85,7 +85,9 @@ class ServingConfig(BaseModel):
     suffix_history: str | None = _spec("suffix_history")
     prefix_reuse: bool = _spec("prefix_reuse")
     reuse_slots: int = _spec("reuse_slots", 4, ge=0, le=256)
-    suffix_actor_name: str = Field("hvd-suffix-drafter", description="name of that actor (one per application)")
+    suffix_actor_name: str = Field("hvd-suffix-drafter", description="base name of that actor; its full name adds "
+                                   "a digest of the model, the suffix config and the history, so a redeploy of "
+                                   "another model or config never reuses another's trees")
 
     # --- engine limits
     max_batch: int = _spec("max_batch", 4, ge=1, le=256)
@@ -101,12 +103,30 @@ class ServingConfig(BaseModel):
                                                  description="Ray resources of each tensor-parallel rank actor")
 
     # --- HTTP
-    api_key: str | None = Field(None, description="require `Authorization: Bearer <api_key>`; prefer the env "
-                                "HVD_RAY_API_KEY, which the ingress reads itself (args are visible in Serve's config)")
+    api_key: str | None = Field(None, description="never set here (Serve shows and logs an application's args): "
+                                "the key comes from the env HVD_RAY_API_KEY or api_key_file, which the ingress "
+                                "reads itself; `python -m hvd_ray.serving --api-key` moves it into that env")
+    api_key_file: str | None = Field(None, description="a file on the ingress's node holding the key that requests "
+                                     "must carry (`Authorization: Bearer <key>`), e.g. a mounted secret")
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body; larger ones get a 413 "
                                    "before they are parsed (from Content-Length, or while reading)")
     max_prompt_chars: int | None = Field(None, ge=1, description="largest prompt (or sum of message texts) in "
                                          "characters, refused before tokenising (default: 32 x max_model_len)")
+
+    # --- admission control and deadlines (an overloaded server refuses at once instead of queueing forever)
+    max_queued_requests: int | None = Field(None, ge=1, description="requests each ingress replica queues for the "
+                                            "model replicas beyond the ones they run; past it a request gets a "
+                                            "503 with Retry-After at once (default: 4 x max_batch)")
+    retry_after_s: int = Field(5, ge=1, description="the Retry-After (seconds) sent with an overload 503")
+    first_token_timeout_s: float = Field(60.0, gt=0, description="a request without its first token this long "
+                                         "after it arrived (queued, or in prefill) is dropped with a 503 and "
+                                         "Retry-After")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request still generating this long after it "
+                                     "arrived is cut: a 504 (or an error event ending its stream)")
+    body_timeout_s: float = Field(10.0, gt=0, description="the whole request body must arrive within this "
+                                  "time, else a 408 (slow or stalled uploads cannot pin the ingress)")
+    step_timeout_s: float = Field(60.0, gt=0, description="a replica whose engine has work but has not finished "
+                                  "a step for this long reports unhealthy, and Serve replaces it")
 
     # --- Ray Serve deployment options
     num_replicas: int | None = Field(None, ge=1, description="fixed replica count (instead of autoscaling_config)")
@@ -115,6 +135,10 @@ class ServingConfig(BaseModel):
     max_ongoing_requests: int | None = Field(None, ge=1, description="per replica (default: 2 x max_batch)")
     ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     ingress_num_replicas: int = Field(1, ge=1)
+    ingress_max_ongoing_requests: int = Field(1024, ge=1, description="HTTP requests one ingress replica holds at "
+                                              "once (reading bodies, waiting, streaming)")
+    ingress_max_queued_requests: int = Field(256, ge=1, description="requests Serve's HTTP proxy queues for a full "
+                                             "ingress; past it the proxy answers 503 with Retry-After")
     graceful_shutdown_timeout_s: float = Field(60.0, ge=0, description="on shutdown (SIGTERM, serve delete, "
                                                "scale-down) a replica waits this long for requests in flight")
 
@@ -140,6 +164,14 @@ class ServingConfig(BaseModel):
         from ..model import parse_dtype
 
         parse_dtype(v)
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _no_key_in_args(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("api_key may not be set in the application's args (Serve shows and logs them): "
+                             "export HVD_RAY_API_KEY where Ray starts, or set api_key_file to a file holding it")
         return v
 
     @model_validator(mode="after")
@@ -224,9 +256,21 @@ class ServingConfig(BaseModel):
         return max(1, min(self.torch_threads or cores - 1, cores))
 
     def resolved_api_key(self) -> str | None:
-        """The key requests must carry: ``api_key``, else the env ``HVD_RAY_API_KEY`` of the process
-        that asks (the ingress replica), so a key from the environment never travels in args."""
-        return self.api_key or os.environ.get("HVD_RAY_API_KEY") or None
+        """The key requests must carry, read in the process that checks it (the ingress replica):
+        ``api_key_file``'s content, else the env ``HVD_RAY_API_KEY``; None: no key is required.
+        An empty key (an empty file, ``HVD_RAY_API_KEY=""``) is an error, not a silent "no auth"."""
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).read_text().strip()
+            except OSError as e:
+                raise ValueError(f"api_key_file {self.api_key_file}: {e.strerror}") from None
+            if not key:
+                raise ValueError(f"api_key_file {self.api_key_file} is empty")
+            return key
+        key = os.environ.get("HVD_RAY_API_KEY")
+        if key is not None and not key.strip():
+            raise ValueError("HVD_RAY_API_KEY is set but empty: unset it to serve without a key, or give the key")
+        return key.strip() if key else None
 
     def prompt_char_limit(self) -> int:
         return self.max_prompt_chars or 32 * self.max_model_len
@@ -249,3 +293,6 @@ class ServingConfig(BaseModel):
 
     def replica_max_ongoing(self) -> int:
         return self.max_ongoing_requests or 2 * self.max_batch
+
+    def replica_max_queued(self) -> int:
+        return self.max_queued_requests or 4 * self.max_batch

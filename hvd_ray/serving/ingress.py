@@ -14,6 +14,15 @@ Validation comes before any work and in order of cost: the API key, the body siz
 ``Content-Length`` or while reading, before parsing), JSON, the request model's ranges, then the
 prompt's size in characters (before the replica tokenises it). A replica that dies under a request
 is answered with a 503 (or an error event on a stream), never a hang.
+
+Overload and deadlines: the model replicas' queue is bounded (Serve's ``max_queued_requests`` at
+this deployment's handle); past it a request gets a 503 with ``Retry-After`` at once. The body must
+arrive within ``body_timeout_s`` (408), the first token within ``first_token_timeout_s`` of arrival
+(else a 503 with ``Retry-After``: the request was shed, the engine drops it), the whole request within
+``request_timeout_s`` (504, or an error event ending the stream). A stream's response starts with its
+first token, so its status can still say "overloaded". ``/health`` answers from Serve's controller,
+whose view comes from each replica's own ``check_health`` (the engine loop's published progress),
+never by queueing behind generation.
 """
 
 
@@ -21,6 +30,7 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,12 +45,22 @@ from . import protocol as P
 from .config import ServingConfig
 
 logger = logging.getLogger("ray.serve")
+HEALTH_CACHE_S = 0.5  # /health answers from a controller status at most this old
 
-api = FastAPI(title="hvd-ray", description="OpenAI-compatible endpoint served by hvd-ray on Ray Serve")
+# The docs routes are added below, behind the API key (FastAPI's own would serve them to anyone).
+api = FastAPI(title="hvd-ray", description="OpenAI-compatible endpoint served by hvd-ray on Ray Serve",
+              docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class _JSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error message quoting a client's lone surrogate still renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def _error_response(e: P.APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return _JSON(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _validation_error(errors: list[dict]) -> P.APIError:
@@ -70,14 +90,14 @@ async def _request_validation(_: Request, e: RequestValidationError) -> JSONResp
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed", 401: "invalid_api_key"}.get(e.status_code)
     etype = "invalid_request_error" if e.status_code < 500 else "server_error"
-    return JSONResponse(P.error_body(str(e.detail), etype, None, code), status_code=e.status_code,
-                        headers=getattr(e, "headers", None))
+    return _JSON(P.error_body(str(e.detail), etype, None, code), status_code=e.status_code,
+                 headers=getattr(e, "headers", None))
 
 
 @api.exception_handler(Exception)
 async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     logger.exception("unhandled error in the ingress")
-    return JSONResponse(P.error_body(f"internal error: {e!r}", "server_error"), status_code=500)
+    return _JSON(P.error_body(f"internal error: {e!r}", "server_error"), status_code=500)
 
 
 def _openapi() -> dict:
@@ -107,18 +127,30 @@ def _cached(finish: dict) -> int | None:
     return (finish.get("stats") or {}).get("cached_tokens")
 
 
-def _replica_failed(e: BaseException) -> P.APIError:
-    """The replica call raised: a replica that died or became unreachable is a clean 503 to retry;
-    an exception inside its code (a bug) is a 500."""
+def _replica_failed(e: BaseException, retry_after_s: int = 5) -> P.APIError:
+    """The replica call raised: a full queue is a 503 with Retry-After; a replica that died or became
+    unreachable is a clean 503 to retry; an exception inside its code (a bug) is a 500."""
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
+    if isinstance(e, BackPressureError):
+        return P.overloaded("the server is at capacity (its request queue is full); retry later", retry_after_s)
     logger.warning("model replica call failed: %r", e)
-    if isinstance(e, (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)):
+    if isinstance(e, (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)):
         return P.APIError(503, f"the model replica failed while serving this request ({type(e).__name__}); "
-                          "retry it", "server_error", None, "replica_unavailable")
+                          "retry it", "server_error", None, "replica_unavailable",
+                          {"Retry-After": str(int(retry_after_s))})
     return P.APIError(500, f"the model replica failed on this request ({type(e).__name__})", "server_error",
                       None, "replica_error")
+
+
+def _cancel(gen) -> None:
+    """Cancel a replica call; a call that already failed re-raises its error here, which must not
+    replace the error being answered."""
+    try:
+        gen.cancel()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _no_constants(name: str):
@@ -129,15 +161,19 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, replica: DeploymentHandle, config: dict):
         self.cfg = ServingConfig.model_validate(config)
         self.replica = replica
         self.names = self.cfg.accepted_model_names()
-        self.api_key = self.cfg.resolved_api_key()  # the env of this process, never the builder args
+        self.api_key = self.cfg.resolved_api_key()  # the env (or a file) of this process, never the args
+        if not self.api_key:
+            logger.warning("no API key is set (HVD_RAY_API_KEY / api_key_file): anyone who can reach this "
+                           "endpoint can use it")
         self._info: dict | None = None
+        self._health: tuple[float, int, dict] | None = None  # (monotonic time, status, body), briefly cached
 
     # ------------------------------------------------------------------------------ helpers
     def _authorize(self, request: Request) -> None:
@@ -165,11 +201,16 @@ class OpenAIIngress:
             if int(declared) > limit:
                 raise too_large(int(declared))
         parts, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(size)
-            parts.append(chunk)
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large(size)
+                    parts.append(chunk)
+        except TimeoutError:
+            raise P.APIError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s",
+                             code="body_timeout", headers={"Connection": "close"}) from None
         return b"".join(parts)
 
     async def _parse(self, request: Request, model_cls):
@@ -181,6 +222,10 @@ class OpenAIIngress:
             raise P.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise P.APIError(400, "the request body must be a JSON object", code="invalid_json")
+        where = P.find_surrogate(obj)
+        if where is not None:
+            raise P.APIError(400, "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+                             param=str(where[0]) if where else None, code="invalid_text")
         try:
             body = model_cls.model_validate(obj)
         except ValidationError as e:
@@ -202,29 +247,63 @@ class OpenAIIngress:
             raise P.APIError(400, f"{param} ({n}) exceeds this server's limit of {self.cfg.max_tokens}",
                              param=param, code="invalid_value")
 
-    async def _start(self, payload: dict):
-        """Call the replica; return (response generator, start event) or raise APIError."""
-        gen = self.replica.options(stream=True).generate.remote(payload)
+    async def _next(self, gen, deadline: float, what: str):
+        """The replica stream's next event by ``deadline`` (event-loop time), else the shed error:
+        a 503 with Retry-After before the first token, a 504 after it."""
         try:
-            first = await gen.__anext__()
+            return await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:
+            _cancel(gen)  # the replica's generator aborts the request in the engine
+            if what == "first token":
+                raise P.overloaded(f"no first token within {self.cfg.first_token_timeout_s:g} s of arrival (the "
+                                   "server is overloaded); retry later", self.cfg.retry_after_s,
+                                   "first_token_timeout") from None
+            raise P.APIError(504, f"the request did not finish within {self.cfg.request_timeout_s:g} s",
+                             "server_error", None, "request_timeout") from None
+
+    async def _start(self, payload: dict, arrived: float):
+        """Call the replica and wait for the request's first token (or its end) until the first-token
+        deadline; return (response generator, the events so far) or raise APIError."""
+        deadline = arrived + self.cfg.first_token_timeout_s
+        head: list[dict] = []
+        gen = None
+        try:
+            gen = self.replica.options(stream=True).generate.remote(payload)  # a full queue raises here
+            while not head or head[-1]["type"] == "start":
+                ev = await self._next(gen, deadline, "first token")
+                if ev["type"] == "error":
+                    raise P.APIError(ev.get("status", 500), ev["message"],
+                                     ev.get("error_type", "invalid_request_error" if ev.get("status", 500) < 500
+                                            else "server_error"), ev.get("param"), ev.get("code"))
+                head.append(ev)
         except (Exception, asyncio.CancelledError) as e:
-            gen.cancel()
+            if gen is not None:
+                _cancel(gen)
             if isinstance(e, (asyncio.CancelledError, P.APIError)):
                 raise
-            raise _replica_failed(e) from None
-        if first["type"] == "error":
-            raise P.APIError(first.get("status", 500), first["message"],
-                             first.get("error_type", "invalid_request_error" if first.get("status", 500) < 500
-                                       else "server_error"),
-                             first.get("param"), first.get("code"))
-        return gen, first
+            if isinstance(e, StopAsyncIteration):
+                raise P.APIError(500, "the model replica ended the request without finishing it",
+                                 "server_error") from None
+            raise _replica_failed(e, self.cfg.retry_after_s) from None
+        return gen, head
 
-    @staticmethod
-    async def _collect(gen) -> tuple[str, dict]:
+    async def _events(self, gen, head: list[dict], deadline: float):
+        """The request's events (``head`` first) until its finish, each by the request deadline."""
+        for ev in head:
+            if ev["type"] != "start":
+                yield ev
+        while True:
+            try:
+                ev = await self._next(gen, deadline, "finish")
+            except StopAsyncIteration:
+                return
+            yield ev
+
+    async def _collect(self, gen, head: list[dict], deadline: float) -> tuple[str, dict]:
         parts, finish = [], None
         done = False
         try:
-            async for ev in gen:
+            async for ev in self._events(gen, head, deadline):
                 if ev["type"] == "delta":
                     parts.append(ev["text"])
                 elif ev["type"] == "finish":
@@ -236,15 +315,15 @@ class OpenAIIngress:
         except (P.APIError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - the replica died mid-request
-            raise _replica_failed(e) from None
+            raise _replica_failed(e, self.cfg.retry_after_s) from None
         finally:
             if not done:
-                gen.cancel()
+                _cancel(gen)
         if finish is None:
             raise P.APIError(500, "the model replica ended the request without finishing it", "server_error")
         return "".join(parts), finish
 
-    async def _stream(self, gen, start: dict, kind: str, include_usage: bool):
+    async def _stream(self, gen, head: list[dict], deadline: float, kind: str, include_usage: bool):
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         created, model = P.now(), self.cfg.model_id
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -264,7 +343,7 @@ class OpenAIIngress:
             if kind == "chat":
                 yield _sse(chunk(None, None, role=True))
             try:
-                async for ev in gen:
+                async for ev in self._events(gen, head, deadline):
                     if ev["type"] == "delta":
                         yield _sse(chunk(ev["text"], None))
                     elif ev["type"] == "finish":
@@ -277,20 +356,25 @@ class OpenAIIngress:
                         done = True
                         yield _sse(P.error_body(ev["message"], ev.get("error_type", "server_error"), None,
                                                 ev.get("code")))
+            except P.APIError as e:  # the request deadline: say so, then end the stream
+                done = True
+                yield _sse(e.body())
             except Exception as e:  # noqa: BLE001 - the replica died mid-stream: say so, then end the stream
                 done = True
-                yield _sse(_replica_failed(e).body())
+                yield _sse(_replica_failed(e, self.cfg.retry_after_s).body())
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # client disconnected (or we failed): stop generating for it
-                gen.cancel()
+                _cancel(gen)
 
-    async def _generate(self, payload: dict, kind: str, stream: bool, include_usage: bool):
-        gen, start = await self._start(payload)
+    async def _generate(self, payload: dict, kind: str, stream: bool, include_usage: bool, arrived: float):
+        gen, head = await self._start(payload, arrived)
+        deadline = arrived + self.cfg.request_timeout_s
         if stream:
-            return StreamingResponse(self._stream(gen, start, kind, include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._stream(gen, head, deadline, kind, include_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, fin = await self._collect(gen)
+        text, fin = await self._collect(gen, head, deadline)
         use = P.usage(fin["prompt_tokens"], fin["completion_tokens"], _cached(fin))
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         build = P.chat_response if kind == "chat" else P.completion_response
@@ -299,18 +383,49 @@ class OpenAIIngress:
     # ------------------------------------------------------------------------------- routes
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        try:
-            stats = await asyncio.wait_for(self.replica.stats.remote(), timeout=10)
-        except Exception as e:  # noqa: BLE001
-            return JSONResponse(P.error_body(f"model replica unavailable: {e!r}", "server_error"), status_code=503)
-        ok = stats.get("healthy", False)
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+        """200 while Serve counts a running model replica: the controller's view, which each replica's
+        ``check_health`` feeds from its engine loop's progress; never a call that queues behind generation."""
+        now = time.monotonic()
+        if self._health is None or now - self._health[0] > HEALTH_CACHE_S:
+            try:
+                status, body = 200, await asyncio.wait_for(asyncio.to_thread(self._replica_status), timeout=5)
+                if not body["running_replicas"]:
+                    status, body["status"] = 503, "unhealthy"
+            except Exception as e:  # noqa: BLE001 - the controller did not answer: not healthy as far as we know
+                status, body = 503, P.error_body(f"serving status unavailable: {e!r}", "server_error")
+            self._health = (now, status, body)
+        _, status, body = self._health
+        return JSONResponse(body, status_code=status)
+
+    def _replica_status(self) -> dict:
+        ctx = serve.get_replica_context()
+        dep = serve.status().applications[ctx.app_name].deployments[self.replica.deployment_name]
+        running = dep.replica_states.get("RUNNING", 0)
+        return {"status": "ok", "running_replicas": running, "deployment_status": str(dep.status.value)}
 
     @api.get("/stats")
     async def stats(self, request: Request) -> JSONResponse:
-        """Engine figures of one (the chosen) model replica: queue, slots, mean accepted tokens."""
+        """Engine figures of one (the chosen) model replica: queue, slots, mean accepted tokens. It is a
+        replica call like generation: under overload it may be refused (503) like one."""
         self._authorize(request)
-        return JSONResponse(await self.replica.stats.remote())
+        try:
+            return JSONResponse(await asyncio.wait_for(self.replica.stats.remote(), timeout=30))
+        except TimeoutError:
+            raise P.overloaded("the model replica did not answer within 30 s", self.cfg.retry_after_s) from None
+        except Exception as e:  # noqa: BLE001
+            raise _replica_failed(e, self.cfg.retry_after_s) from None
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        self._authorize(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{api.title} - API")
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -323,15 +438,17 @@ class OpenAIIngress:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
+        arrived = asyncio.get_running_loop().time()
         body: P.CompletionRequest = await self._parse(request, P.CompletionRequest)
         self._check_max_tokens(body.max_tokens)
         payload = {**body.single_prompt(), "params": body.sampling(body.max_tokens)}
-        return await self._generate(payload, "completion", body.stream, body.include_usage)
+        return await self._generate(payload, "completion", body.stream, body.include_usage, arrived)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        arrived = asyncio.get_running_loop().time()
         body: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
         n = body.requested_max_tokens
         self._check_max_tokens(n, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         payload = {"messages": body.chat_messages(), "params": body.sampling(n)}
-        return await self._generate(payload, "chat", body.stream, body.include_usage)
+        return await self._generate(payload, "chat", body.stream, body.include_usage, arrived)

@@ -12,6 +12,7 @@ its parameter, never an exception inside a decoding step shared with other reque
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -35,9 +36,10 @@ class APIError(Exception):
     """An error with an HTTP status and an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -46,6 +48,33 @@ class APIError(Exception):
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def overloaded(message: str, retry_after_s: int, code: str = "server_overloaded") -> APIError:
+    """A 503 the client should retry later (``Retry-After``): the server shed this request."""
+    return APIError(503, message, "server_error", None, code, {"Retry-After": str(int(retry_after_s))})
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_surrogate(obj: Any, path: tuple = ()) -> tuple | None:
+    """The path to the first string (or key) of parsed JSON holding a lone UTF-16 surrogate
+    (``"\\ud800"`` decodes to one; it cannot be encoded as UTF-8, so tokenising it would fail)."""
+    stack = [(obj, path)]
+    while stack:
+        o, p = stack.pop()
+        if isinstance(o, str):
+            if _SURROGATE.search(o):
+                return p
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                if _SURROGATE.search(k):
+                    return p + (k,)
+                stack.append((v, p + (k,)))
+        elif isinstance(o, list):
+            stack.extend((v, p + (i,)) for i, v in enumerate(o))
+    return None
 
 
 # ------------------------------------------------------------------------------------ requests

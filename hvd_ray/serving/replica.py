@@ -18,7 +18,10 @@ loop is a vLLM child process with the same interface.
 Failures: a request the engine fails alone (its drafting, sampling or verification raised) gets a
 500 error event and the loop goes on. If the loop itself fails (the shared target forward raised,
 so the KV cache's state is unknown) every request in flight or queued gets a 500 event at once,
-new ones a 503, ``check_health`` fails and Serve replaces the replica.
+new ones a 503, ``check_health`` fails and Serve replaces the replica. A loop that stops making
+progress (a step or a drafter call that never returns) is caught the same way: the loop beats a
+heartbeat between steps and while idle, and ``check_health`` fails once it is older than
+``step_timeout_s``.
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ class EngineLoop:
         self.steps = 0
         self.decode_s = 0.0  # time inside engine.step()
         self.prefill_s = 0.0  # of it, the prefill forwards of finished requests
+        self.beat = time.monotonic()  # the loop's heartbeat: set between steps and on every idle turn
         self._thread = threading.Thread(target=self._run, name="hvd-engine-loop", daemon=True)
         self._thread.start()
 
@@ -139,8 +143,12 @@ class EngineLoop:
                 "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
                 "cache_chosen_rate": self.cache_steps / self.decode_steps if self.decode_steps else 0.0,
                 "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_tokens,
-                "prefill_s": self.prefill_s,
+                "prefill_s": self.prefill_s, "heartbeat_age_s": round(self.stalled_s(), 3),
                 "healthy": self.error is None and self._thread.is_alive()}
+
+    def stalled_s(self) -> float:
+        """Seconds since the loop last showed progress (a finished step, or an idle turn)."""
+        return time.monotonic() - self.beat
 
     # ---- the loop thread
     def _drain(self) -> None:
@@ -166,12 +174,14 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop:
+                self.beat = time.monotonic()
                 self._drain()
                 if not self.engine.has_unfinished():
                     self._idle()
                     continue
                 t0 = time.perf_counter()
                 outs = self.engine.step()  # raises only when the shared forward failed
+                self.beat = time.monotonic()
                 self.decode_s += time.perf_counter() - t0
                 self.steps += 1
                 for out in outs:
@@ -187,6 +197,7 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - a background sync; the next idle turn retries
                 logger.exception("drafter %s failed to flush", d.name)
         self._publish_queue()
+        self.beat = time.monotonic()
         self._wake.wait(timeout=1.0)
         self._wake.clear()
 
@@ -273,8 +284,14 @@ class ReplicaFront:
 
     # ---- Serve hooks
     def check_health(self) -> None:
+        """Serve's health check, from state the loop publishes (never a call into the engine)."""
         if self.loop.error is not None or not self.loop._thread.is_alive():
             raise RuntimeError(f"engine loop is not running: {self.loop.error!r}")
+        stalled = self.loop.stalled_s()
+        if stalled > self.cfg.step_timeout_s:
+            logger.error("engine loop made no progress for %.0f s (step_timeout_s %g): unhealthy", stalled,
+                         self.cfg.step_timeout_s)
+            raise RuntimeError(f"engine loop made no progress for {stalled:.0f} s")
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)
@@ -423,7 +440,8 @@ class ModelReplica(ReplicaFront):
         from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
 
         conf = suffix_config(cfg.policy if cfg.drafter == "hvd" else "none")
-        actor = service_actor(cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history)
+        actor = service_actor(cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history,
+                              model=cfg.model)
         if cfg.suffix_actor_mode == "mirror":
             return MirroredSuffixDrafter(actor, conf)
         return RemoteSuffixDrafter(actor, config=conf)

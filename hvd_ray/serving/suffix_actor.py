@@ -21,12 +21,20 @@ it for the whole batch's drafts once per step:
   model drafter (an HVD policy picks it when the cache has nothing) or plain decoding: drafts only
   change speed, never output, so no request fails. The global history is lost with the actor.
 
+The actor's name carries a digest of what its trees are valid for (model, suffix config, history):
+a redeploy with another model or config gets a new actor (and two applications of different models
+on one cluster get one each) instead of silently drafting from the old one's token ids. Detached
+actors outlive their application: :func:`stale_actors` finds (and kills) those no client calls any more.
+
 In both modes ``wait_s`` / ``calls`` measure the time the replica's engine loop spends on the actor
 (blocked, or submitting and polling calls), which benchmarks/http.md reports as a share of step time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import time
 import uuid
@@ -42,14 +50,17 @@ from ..drafters.suffix import SuffixConfig, SuffixDrafter
 logger = logging.getLogger("ray.serve")
 
 ACTOR_NAMESPACE = "hvd_ray"
+DEFAULT_NAME = "hvd-suffix-drafter"
 _UNKNOWN = None  # the service's reply for a request it does not know (it restarted since begin)
 
 
 class SuffixDrafterService:
     """The actor body: a plain :class:`SuffixDrafter` keyed by ``(client, request id)``."""
 
-    def __init__(self, config: dict | None = None, history: str | None = None) -> None:
+    def __init__(self, config: dict | None = None, history: str | None = None, identity: dict | None = None) -> None:
         self.drafter = SuffixDrafter(SuffixConfig(**(config or {})))
+        self._identity = identity or actor_identity(None, config, history)
+        self.last_call = time.monotonic()  # of a client call (stats() does not count): stale_actors reads it
         if history:  # past outputs from a trace folder (ServingConfig.suffix_history)
             from ..traces.history import past_outputs, warm_global_tree
 
@@ -62,6 +73,7 @@ class SuffixDrafterService:
     def publish(self, client: str, tokens: list[int]) -> int:
         """A finished request's output, from a mirroring replica: into the history log, and into
         this actor's global tree (so ``remote``-mode clients draft from it too)."""
+        self.last_call = time.monotonic()
         seq = self.published
         self.published += 1
         self.log.append((seq, client, list(tokens)))
@@ -71,6 +83,7 @@ class SuffixDrafterService:
     def pull(self, client: str, cursor: int, incarnation: str | None) -> tuple[str, int, list[list[int]]]:
         """Outputs other clients published since ``cursor`` (from the start if this actor is not the
         incarnation the client last saw), and the cursor to ask from next time."""
+        self.last_call = time.monotonic()
         if incarnation != self.incarnation:
             cursor = 0
         newer = islice(self.log, max(0, len(self.log) - (self.published - cursor)), None)  # seq >= cursor
@@ -79,6 +92,7 @@ class SuffixDrafterService:
     def step(self, client: str, ops: list[tuple], asks: list[tuple[str, int]]) -> tuple[str, list]:
         """Apply buffered ``ops`` (("begin", rid, tokens) | ("accept", rid, tokens) | ("end", rid)),
         then draft for ``asks`` ((rid, budget)). Unknown requests are skipped / answered ``None``."""
+        self.last_call = time.monotonic()
         d = self.drafter
         for op in ops:
             key = (client, op[1])
@@ -104,6 +118,7 @@ class SuffixDrafterService:
 
     def resync(self, client: str, live: dict[str, list[int]]) -> str:
         """Forget ``client``'s requests and start its live ones again from their full context."""
+        self.last_call = time.monotonic()
         d = self.drafter
         for key in [k for k in d.live_ids() if k[0] == client]:
             d.end(key)
@@ -115,20 +130,72 @@ class SuffixDrafterService:
         d = self.drafter
         return {"requests": d.live_requests(), "cached_requests": len(d.cached_requests),
                 "global_tokens": d.global_tree.num_tokens, "published": self.published,
-                "incarnation": self.incarnation}
+                "incarnation": self.incarnation, "idle_s": time.monotonic() - self.last_call}
+
+    def identity(self) -> dict:
+        """What this actor's trees are valid for: ``{"model", "config", "history", "digest"}``."""
+        return dict(self._identity)
 
     def request_ids(self, client: str) -> list[str]:
         return [k[1] for k in self.drafter.live_ids() if k[0] == client]
 
 
-def service_actor(name: str = "hvd-suffix-drafter", config: dict | None = None, num_cpus: float = 0.1,
-                  history: str | None = None):
-    """The named, detached service actor (created by the first replica, found by the others).
+def actor_identity(model: str | None, config: dict | None, history: str | None) -> dict:
+    """The model, the full suffix config (defaults filled in) and the history, with their digest."""
+    ident = {"model": model, "config": dataclasses.asdict(SuffixConfig(**(config or {}))), "history": history}
+    blob = json.dumps(ident, sort_keys=True, default=str).encode()
+    return ident | {"digest": hashlib.sha256(blob).hexdigest()[:12]}
+
+
+def actor_name(name: str, model: str | None = None, config: dict | None = None, history: str | None = None) -> str:
+    """The service actor's full name: ``name`` plus the digest of :func:`actor_identity`."""
+    return f"{name}-{actor_identity(model, config, history)['digest']}"
+
+
+def service_actor(name: str = DEFAULT_NAME, config: dict | None = None, num_cpus: float = 0.1,
+                  history: str | None = None, *, model: str | None = None):
+    """The named, detached service actor for this model / config / history (created by the first
+    replica, found by the others); another identity gets another actor (:func:`actor_name`).
     Ray restarts it whenever it dies; calls in flight then fail and the clients resync."""
+    ident = actor_identity(model, config, history)
     cls = ray.remote(SuffixDrafterService)
-    return cls.options(name=name, namespace=ACTOR_NAMESPACE, get_if_exists=True, lifetime="detached",
-                       num_cpus=num_cpus, max_restarts=-1, max_task_retries=0,
-                       max_concurrency=1).remote(config, history)
+    return cls.options(name=f"{name}-{ident['digest']}", namespace=ACTOR_NAMESPACE, get_if_exists=True,
+                       lifetime="detached", num_cpus=num_cpus, max_restarts=-1, max_task_retries=0,
+                       max_concurrency=1).remote(config, history, ident)
+
+
+def service_actors(name: str = DEFAULT_NAME) -> dict[str, "ray.actor.ActorHandle"]:
+    """The live service actors created under base ``name`` (one per identity), by full name."""
+    found = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        full = a["name"]
+        digest = full[len(name) + 1:]
+        if (a["namespace"] == ACTOR_NAMESPACE and full.startswith(f"{name}-") and len(digest) == 12
+                and all(c in "0123456789abcdef" for c in digest)):
+            try:
+                found[full] = ray.get_actor(full, namespace=ACTOR_NAMESPACE)
+            except ValueError:  # gone since the listing
+                pass
+    return found
+
+
+def stale_actors(name: str = DEFAULT_NAME, idle_s: float = 3600.0, *, kill: bool = False,
+                 timeout_s: float = 10.0) -> list[str]:
+    """Full names of the service actors under ``name`` that no client has called for ``idle_s``
+    (an old deployment's, or a deleted application's: detached, they outlive it); ``kill``: kill them.
+    A mirroring replica calls its actor every ``pull_interval_s``; a ``remote``-mode replica only
+    while it decodes, so pick ``idle_s`` above its longest idle spell."""
+    stale = []
+    for full, actor in service_actors(name).items():
+        try:
+            idle = ray.get(actor.stats.remote(), timeout=timeout_s)["idle_s"]
+        except Exception:  # noqa: BLE001 - restarting or busy: not known to be stale
+            continue
+        if idle >= idle_s:
+            stale.append(full)
+            if kill:
+                ray.kill(actor)
+    return stale
 
 
 class RemoteSuffixDrafter(Drafter):
@@ -287,14 +354,14 @@ class MirroredSuffixDrafter(SuffixDrafter):
             done, self._publishing = ray.wait(self._publishing, num_returns=len(self._publishing), timeout=0)
             for ref in done:
                 try:
-                    ray.get(ref)
+                    ray.get(ref, timeout=0)  # done: never waits
                 except Exception as e:  # noqa: BLE001 - the actor died: that output is not shared
                     self._failed("publish", e)
         if self._pulling is not None:
             done, _ = ray.wait([self._pulling], timeout=timeout)
             if done:
                 try:
-                    inc, cursor, outputs = ray.get(self._pulling)
+                    inc, cursor, outputs = ray.get(self._pulling, timeout=0)  # done: never waits
                 except Exception as e:  # noqa: BLE001 - the actor died: pull again later
                     self._failed("pull", e)
                 else:

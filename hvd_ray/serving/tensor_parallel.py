@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -49,6 +50,10 @@ class TPEngineSpec:
     engine: EngineSpec = field(default_factory=EngineSpec)  # its max_len is capped by the model's context
     torch_threads: int | None = None  # per rank (default: the rank's CPU reservation)
     timeout_s: float = 300.0  # a collective waiting longer than this fails (a dead peer) instead of hanging
+    # a step (or logits call) some rank has not answered by then fails: the ranks are killed and the
+    # step raises TimeoutError, so the serving loop fails and Serve replaces the replica
+    step_timeout_s: float = 300.0
+    setup_timeout_s: float = 1800.0  # starting the ranks, loading and sharding the model
 
 
 def load_tokenizer(folder):
@@ -199,8 +204,8 @@ class TensorParallelEngine:
                 actor.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=r)).remote(r, world_size)
                 for r in range(world_size)]
-            init_method = ray.get(self.workers[0].address.remote())
-            info = self._gather([w.setup.remote(spec, init_method) for w in self.workers])[0]
+            init_method = ray.get(self.workers[0].address.remote(), timeout=spec.setup_timeout_s)
+            info = self._gather([w.setup.remote(spec, init_method) for w in self.workers], spec.setup_timeout_s)[0]
         except BaseException:
             self.shutdown()
             raise
@@ -222,7 +227,7 @@ class TensorParallelEngine:
     def from_serving_config(cls, cfg) -> "TensorParallelEngine":
         """Build from a :class:`~hvd_ray.serving.config.ServingConfig` with ``tensor_parallel_size > 1``."""
         spec = TPEngineSpec(model=cfg.model, dtype=cfg.dtype, device=cfg.device, engine=cfg.engine_spec(),
-                            torch_threads=cfg.torch_threads)
+                            torch_threads=cfg.torch_threads, step_timeout_s=cfg.step_timeout_s)
         return cls(spec, cfg.tensor_parallel_size, rank_options=cfg.tp_ray_actor_options)
 
     # ------------------------------------------------------------------------------ requests
@@ -258,7 +263,8 @@ class TensorParallelEngine:
 
     # ---------------------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
-        """Send the pending commands and one step to every rank; return rank 0's outputs."""
+        """Send the pending commands and one step to every rank; return rank 0's outputs. A rank that
+        fails, or does not answer within ``spec.step_timeout_s`` (``TimeoutError``), shuts them all down."""
         if self.closed:
             raise RuntimeError("this TensorParallelEngine is shut down")
         commands, self._commands = self._commands, []
@@ -289,13 +295,21 @@ class TensorParallelEngine:
         return self._gather([w.logits.remote(list(tokens)) for w in self.workers])[0]
 
     # ------------------------------------------------------------------------------ plumbing
-    def _gather(self, refs: list) -> list:
-        """All ranks' results; on the first failure, tear every rank down and raise it (the
-        surviving ranks would otherwise sit in a collective until the process-group timeout)."""
+    def _gather(self, refs: list, timeout_s: float | None = None) -> list:
+        """All ranks' results (``refs[r]``: rank r's call) within ``timeout_s`` (default the spec's
+        ``step_timeout_s``). On the first failure, or at the deadline (a ``TimeoutError`` naming the
+        ranks that did not answer), tear every rank down and raise: the surviving ranks would
+        otherwise sit in a collective until the process-group timeout, or forever."""
+        timeout_s = self.spec.step_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         pending = list(refs)
         try:
             while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    late = [r for r, ref in enumerate(refs) if ref in pending]
+                    raise TimeoutError(f"tensor-parallel rank(s) {late} did not answer within {timeout_s:g}s; "
+                                       "all ranks are shut down")
                 ray.get(ready[0])
         except BaseException:
             self.shutdown()

@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -57,6 +58,7 @@ class VllmLoop:
         self._stop = False
         self.error: BaseException | None = None
         self.child: dict = {}  # the child's last counts (hvd-ray's worker extension)
+        self.beat = time.monotonic()  # the last line from the child, or the last time it had nothing to do
         self.finished = self.aborted = self.failed = self.tokens = 0
         self._thread = threading.Thread(target=self._read, name="hvd-vllm-reader", daemon=True)
         self._thread.start()
@@ -101,6 +103,12 @@ class VllmLoop:
             self.proc.kill()
             self.proc.wait()
 
+    def stalled_s(self) -> float:
+        """Seconds the child has said nothing while requests were in flight (0 when idle)."""
+        if not self._streams:
+            self.beat = time.monotonic()
+        return time.monotonic() - self.beat
+
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive() and self.proc.poll() is None
 
@@ -114,6 +122,7 @@ class VllmLoop:
     def _read(self) -> None:
         try:
             for line in self.proc.stdout:
+                self.beat = time.monotonic()
                 self._dispatch(json.loads(line))
             rc = self.proc.wait()
             raise RuntimeError(f"the vLLM process exited (rc {rc}; its log is in this replica's log)")
