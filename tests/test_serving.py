@@ -204,6 +204,62 @@ def test_openai_client(oai, greedy):
         bad.models.list()
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The local time of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _streamed_call(oai, **kw) -> tuple[str, list[dict], str]:
+    """(content, tool calls, finish reason) of a streamed chat completion, put back together."""
+    content, calls, finish = "", [], None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for c in d.tool_calls or []:
+            assert c.index == len(calls) and c.id.startswith("call_") and c.type == "function"
+            calls.append({"name": c.function.name, "arguments": c.function.arguments})
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+@slow
+def test_an_agent_loop_with_tools_over_the_openai_client(oai):
+    """tools -> tool_calls -> the tool's answer -> a final answer, streamed and not. A named
+    tool_choice opens the call for the model; the parser returns it as ``message.tool_calls``
+    (finish_reason ``tool_calls``), the streamed call equals the non-streamed one (greedy), and the
+    conversation carrying the call and its result is served. Unparseable calls come back as content."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for city in ("Paris", "Tokyo", "Lima"):
+        msgs = [{"role": "user", "content": f"What is the weather in {city} right now?"}]
+        kw = {"model": "default", "messages": msgs, "tools": TOOLS, "tool_choice": named, "temperature": 0,
+              "max_tokens": 48}
+        r = oai.chat.completions.create(**kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch.message.content
+        call = ch.message.tool_calls[0]
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+        content, calls, finish = _streamed_call(oai, **kw)
+        assert finish == "tool_calls" and (content or None) == ch.message.content
+        assert calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls]
+        msgs += [ch.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": city, "celsius": 21})}]
+        final = oai.chat.completions.create(model="default", messages=msgs, tools=TOOLS, temperature=0,
+                                            max_tokens=32)
+        assert final.choices[0].finish_reason in ("stop", "length", "tool_calls"), final
+        assert final.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result reached the prompt
+    none = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi!"}], tools=TOOLS,
+                                       tool_choice="none", temperature=0, max_tokens=8)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+    joke = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "Tell me a joke."}],
+                                       tools=TOOLS, tool_choice="required", temperature=0, max_tokens=24)
+    assert joke.choices[0].message.tool_calls or joke.choices[0].message.content  # content when it does not parse
+
+
 @slow
 def test_stop_strings(http, greedy):
     full = greedy["completion"]["choices"][0]["text"]

@@ -42,6 +42,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol as P
+from . import tools
 from .config import ServingConfig
 
 logger = logging.getLogger("ray.serve")
@@ -323,14 +324,19 @@ class OpenAIIngress:
             raise P.APIError(500, "the model replica ended the request without finishing it", "server_error")
         return "".join(parts), finish
 
-    async def _stream(self, gen, head: list[dict], deadline: float, kind: str, include_usage: bool):
+    async def _stream(self, gen, head: list[dict], deadline: float, kind: str, include_usage: bool,
+                      parallel_tools: bool | None):
+        """Server-sent events of one request; with tools (``parallel_tools`` not None) content streams
+        until a tool call may begin, and the calls come whole before the finish chunk."""
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         created, model = P.now(), self.cfg.model_id
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        split = tools.StreamSplitter(head[0].get("forced", "")) if parallel_tools is not None else None
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        def chunk(text: str | None, finish: str | None, role: bool = False, delta: dict | None = None) -> dict:
             if kind == "chat":
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                if delta is None:
+                    delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
                 c = P.chat_chunk(rid, model, created, delta, finish)
             else:
                 c = P.completion_chunk(rid, model, created, text or "", finish)
@@ -345,10 +351,20 @@ class OpenAIIngress:
             try:
                 async for ev in self._events(gen, head, deadline):
                     if ev["type"] == "delta":
-                        yield _sse(chunk(ev["text"], None))
+                        text = split.push(ev["text"]) if split else ev["text"]
+                        if text:
+                            yield _sse(chunk(text, None))
                     elif ev["type"] == "finish":
                         done = True
-                        yield _sse(chunk(None, ev["finish_reason"]))
+                        finish = ev["finish_reason"]
+                        if split:
+                            rest, calls = split.finish(parallel_tools)
+                            if rest:
+                                yield _sse(chunk(rest, None))
+                            if calls:
+                                finish = "tool_calls"
+                                yield _sse(chunk(None, None, delta=P.tool_call_deltas(calls)))
+                        yield _sse(chunk(None, finish))
                         if include_usage:
                             use = P.usage(ev["prompt_tokens"], ev["completion_tokens"], _cached(ev))
                             yield _sse(P.usage_chunk(rid, model, created, obj, use))
@@ -367,18 +383,25 @@ class OpenAIIngress:
             if not done:  # client disconnected (or we failed): stop generating for it
                 _cancel(gen)
 
-    async def _generate(self, payload: dict, kind: str, stream: bool, include_usage: bool, arrived: float):
+    async def _generate(self, payload: dict, kind: str, stream: bool, include_usage: bool, arrived: float,
+                        parallel_tools: bool | None = None):
+        """Run one request; ``parallel_tools`` not None: the output is parsed for tool calls."""
         gen, head = await self._start(payload, arrived)
         deadline = arrived + self.cfg.request_timeout_s
         if stream:
-            return StreamingResponse(self._stream(gen, head, deadline, kind, include_usage),
+            return StreamingResponse(self._stream(gen, head, deadline, kind, include_usage, parallel_tools),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, fin = await self._collect(gen, head, deadline)
         use = P.usage(fin["prompt_tokens"], fin["completion_tokens"], _cached(fin))
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        build = P.chat_response if kind == "chat" else P.completion_response
-        return JSONResponse(build(rid, self.cfg.model_id, text, fin["finish_reason"], use))
+        if kind != "chat":
+            return JSONResponse(P.completion_response(rid, self.cfg.model_id, text, fin["finish_reason"], use))
+        calls, finish = None, fin["finish_reason"]
+        if parallel_tools is not None:
+            text, calls = tools.parse(head[0].get("forced", "") + text, parallel_tools)
+            finish = "tool_calls" if calls else finish
+        return JSONResponse(P.chat_response(rid, self.cfg.model_id, text, finish, use, calls))
 
     # ------------------------------------------------------------------------------- routes
     @api.get("/health")
@@ -450,5 +473,6 @@ class OpenAIIngress:
         body: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
         n = body.requested_max_tokens
         self._check_max_tokens(n, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        payload = {"messages": body.chat_messages(), "params": body.sampling(n)}
-        return await self._generate(payload, "chat", body.stream, body.include_usage, arrived)
+        payload = {"messages": body.chat_messages(), **body.tool_payload(), "params": body.sampling(n)}
+        parallel = body.parallel_tool_calls if "tools" in payload else None
+        return await self._generate(payload, "chat", body.stream, body.include_usage, arrived, parallel)

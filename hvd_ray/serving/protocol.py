@@ -2,7 +2,7 @@
 
 Only what the server implements is modelled; unknown fields are ignored (clients such as the
 official ``openai`` package send extra fields), while fields we cannot honour (``n > 1``,
-``logprobs``, penalties, tools, ...) are rejected with a 400 naming the parameter rather than
+``logprobs``, penalties, ...) are rejected with a 400 naming the parameter rather than
 silently ignored.
 
 Every field that reaches the engine has a range checked here, before any work (the README's
@@ -29,6 +29,9 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # ids beyond the vocabulary are refused by the replica, which knows it
 MAX_MESSAGES = 1024
+MAX_TOOLS = 128  # tools per request, and calls per assistant message
+MAX_TOOL_NAME = 64
+MAX_TOOL_ARGUMENTS = 2**16  # characters of one call's arguments (JSON text)
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
@@ -192,18 +195,58 @@ class CompletionRequest(_Common):
         raise APIError(400, "only one prompt per request is supported", param="prompt", code="unsupported_value")
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(max_length=MAX_TOOL_NAME)
+    arguments: str = Field("{}", max_length=MAX_TOOL_ARGUMENTS)  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    class _Name(BaseModel):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's earlier calls
+    tool_call_id: str | None = Field(None, max_length=256)  # the call a tool message answers
 
     def size(self) -> int:
         """Characters of text this message carries (bounded before the chat template runs)."""
+        calls = sum(len(c.function.arguments) + len(c.function.name) for c in self.tool_calls or ())
         if isinstance(self.content, str):
-            return len(self.content)
-        return sum(len(p["text"]) for p in self.content or () if isinstance(p.get("text"), str))
+            return len(self.content) + calls
+        return sum(len(p["text"]) for p in self.content or () if isinstance(p.get("text"), str)) + calls
 
     def text(self) -> str:
         if self.content is None:
@@ -224,7 +267,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     response_format: dict[str, Any] | None = None
 
     @field_validator("messages")
@@ -238,8 +283,17 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if self.logprobs or self.top_logprobs:
             raise APIError(400, "logprobs is not supported", param="logprobs", code="unsupported_value")
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools", code="unsupported_value")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        for m in self.messages:
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(400, "a tool message needs tool_call_id", param="messages")
+            if m.tool_calls and m.role != "assistant":
+                raise APIError(400, "only assistant messages carry tool_calls", param="messages")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise APIError(400, "response_format other than text is not supported", param="response_format",
                            code="unsupported_value")
@@ -249,12 +303,30 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def prompt_size(self) -> tuple[int, str]:
-        return sum(m.size() for m in self.messages), "characters"
+        tools = sum(len(t.model_dump_json()) for t in self.tools or ())
+        return sum(m.size() for m in self.messages) + tools, "characters"
 
     def chat_messages(self) -> list[dict]:
-        # 'developer' is OpenAI's newer name for 'system'; templates only know the latter
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        """The conversation for the chat template, tool calls and tool-call ids included."""
+        out = []
+        for m in self.messages:  # 'developer' is OpenAI's newer name for 'system'; templates know the latter
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+    def tool_payload(self) -> dict:
+        """What the replica renders and the ingress parses: the tools and the choice (none: no tools)."""
+        if not self.tools or self.tool_choice == "none":
+            return {}
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else (
+            self.tool_choice or "auto")
+        return {"tools": [t.model_dump(exclude_none=True) for t in self.tools], "tool_choice": choice}
 
 
 # ----------------------------------------------------------------------------------- responses
@@ -286,11 +358,19 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish_reaso
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def chat_response(rid: str, model: str, text: str | None, finish_reason: str, use: dict,
+                  tool_calls: list[dict] | None = None) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
             "usage": use}
+
+
+def tool_call_deltas(calls: list[dict]) -> dict:
+    """A chunk delta carrying whole tool calls, as OpenAI streams them (index, id, name, arguments)."""
+    return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:

@@ -42,6 +42,7 @@ import psutil
 from ray import serve
 
 from ..engine.text import TextStreamer
+from . import tools
 from .config import ServingConfig
 
 logger = logging.getLogger("ray.serve")
@@ -299,20 +300,21 @@ class ReplicaFront:
             loop.shutdown()
 
     # ---- the request path (called by the ingress)
-    def _tokenize(self, req: dict) -> tuple[list[int], str]:
+    def _tokenize(self, req: dict) -> tuple[list[int], str, str]:
+        """(prompt ids, the parameter they came from, the forced start of the answer)."""
         if req.get("messages") is not None:
             try:
-                text = self.tok.apply_chat_template(req["messages"], tokenize=False, add_generation_prompt=True)
+                text, start = tools.render(self.tok, req["messages"], req.get("tools"), req.get("tool_choice"))
             except Exception as e:  # noqa: BLE001 - a template rejecting the conversation is a client error
                 raise _ClientError(f"the chat template rejected the messages: {e}", "messages")
-            return self.tok(text, add_special_tokens=False)["input_ids"], "messages"
+            return self.tok(text + start, add_special_tokens=False)["input_ids"], "messages", start
         if req.get("prompt_token_ids") is not None:
             ids = list(req["prompt_token_ids"])
             vocab = self.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise _ClientError(f"prompt token ids must be in [0, {vocab})", "prompt")
-            return ids, "prompt"
-        return self.tok(req["prompt"])["input_ids"], "prompt"
+            return ids, "prompt", ""
+        return self.tok(req["prompt"])["input_ids"], "prompt", ""
 
     def _params(self, req: dict, n_prompt: int, param: str):
         from ..engine import SamplingParams
@@ -338,7 +340,7 @@ class ReplicaFront:
         """Stream one request: start|error, then delta events, then finish."""
         t0 = time.perf_counter()
         try:
-            ids, param = self._tokenize(req)
+            ids, param, start = self._tokenize(req)
             if not ids:
                 raise _ClientError("the prompt is empty", param)
             params = self._params(req, len(ids), param)
@@ -352,7 +354,7 @@ class ReplicaFront:
         except RuntimeError as e:
             yield {"type": "error", "status": 503, "message": str(e), "error_type": "server_error"}
             return
-        yield {"type": "start", "prompt_tokens": len(ids)}
+        yield {"type": "start", "prompt_tokens": len(ids), "forced": start}
         text = TextStreamer(self.tok, params.stop)
         n_out, first, done = 0, True, False
         try:

@@ -1,0 +1,120 @@
+"""Tool calling's text side (hvd_ray/serving/tools.py): tools and the tool-call history rendered into
+the prompt by the default model's template and by a template that knows tools, and calls parsed out
+of the output, whole or streamed in pieces."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from hvd_ray.serving import tools
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+]
+# A template that renders tools itself, as Qwen2/Qwen3's do (Hermes layout), reduced to what matters
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok(default_folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_folder)
+
+
+def test_the_default_template_gets_the_default_tool_prompt_and_the_history(tok):
+    assert not tools.template_knows_tools(tok)
+    text, start = tools.render(tok, HISTORY, TOOLS, "auto")
+    assert start == ""
+    assert "<tools>" + json.dumps(TOOLS[0]["function"]) + "</tools>" in text
+    # the assistant's earlier call and the tool's answer reach the prompt, in order
+    call = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
+    response = '<|im_start|>tool\n<tool_response>\n{"temperature": 21}\n</tool_response><|im_end|>'
+    assert call in text and response in text and text.index(call) < text.index(response)
+    assert text.endswith("<|im_start|>assistant\n")
+
+    none, start = tools.render(tok, HISTORY, TOOLS, "none")  # no tools offered, the history stays
+    assert "<tools>" not in none and call in none and start == ""
+    _, start = tools.render(tok, HISTORY[:1], TOOLS, "required")
+    assert start == "<tool_call>"
+    _, start = tools.render(tok, HISTORY[:1], TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    assert start == '<tool_call>[{"name": "get_weather", "arguments":'
+
+
+def test_a_template_that_knows_tools_renders_them_itself(tok):
+    tok = type(tok).from_pretrained(tok.name_or_path)
+    tok.chat_template = TOOL_TEMPLATE
+    assert tools.template_knows_tools(tok)
+    text, start = tools.render(tok, HISTORY, TOOLS, "auto")
+    assert "# Tools\n<tools>" in text and "You are an expert in composing functions" not in text
+    call = text[text.index("<|im_start|>assistant"):text.index("<|im_start|>tool")]
+    assert '"name": "get_weather"' in call and '"arguments": {"city": "Paris"}' in call  # a dict, not a string
+    assert '<|im_start|>tool\n{"temperature": 21}<|im_end|>' in text
+    _, start = tools.render(tok, HISTORY[:1], TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    assert start == '<tool_call>\n{"name": "get_weather", "arguments":'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("no call here", "no call here", None),
+    ('<tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>', None, [("f", {"a": 1})]),
+    ('Sure. <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": '
+     '{"b": "x"}}\n</tool_call>', "Sure.", [("f", {}), ("g", {"b": "x"})]),
+    # a small model's list without commas, cut short by max_tokens: the whole objects count
+    ('<tool_call>[\n{"name": "f", "arguments": {"a": 1}}\n{"name": "g", "argu', None, [("f", {"a": 1})]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}', None, [("f", {"a": 2})]),  # arguments as a string
+    ('<tool_call>\n"not a call"\n</tool_call>', '<tool_call>\n"not a call"\n</tool_call>', None),
+    ('<tool_call>[{"arguments": {}}]</tool_call>', '<tool_call>[{"arguments": {}}]</tool_call>', None),
+])
+def test_parse(text, content, calls):
+    got_content, got = tools.parse(text)
+    assert got_content == content
+    if calls is None:
+        assert got is None
+    else:
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
+        assert len({c["id"] for c in got}) == len(got)
+
+
+def test_parallel_tool_calls_false_keeps_the_first():
+    _, calls = tools.parse('<tool_call>[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]</tool_call>',
+                           parallel=False)
+    assert [c["function"]["name"] for c in calls] == ["f"]
+
+
+@pytest.mark.parametrize("text", [
+    "Just an answer, with a < sign and <tool in it.",
+    'Let me check. <tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+    "<tool_call>garbage",
+])
+def test_streamed_pieces_give_what_parse_gives(text):
+    rng = random.Random(0)
+    for _ in range(20):
+        split, streamed, i = tools.StreamSplitter(), "", 0
+        while i < len(text):
+            n = rng.randint(1, 6)
+            streamed += split.push(text[i:i + n])
+            i += n
+        rest, calls = split.finish()
+        content, want = tools.parse(text)
+        if want is None:
+            assert streamed + rest == text and calls is None
+        else:
+            assert (streamed + rest).strip() == (content or "") and [c["function"] for c in calls] == \
+                [c["function"] for c in want]
+        assert "<tool_call" not in streamed  # a call's opening is never streamed as content
