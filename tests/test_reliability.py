@@ -116,6 +116,14 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
     "model_lone_surrogate": (COMP, b'{"prompt": "x", "model": "\\ud800"}', 400, "model", "invalid_text"),
     "stop_lone_surrogate": (COMP, b'{"prompt": "x", "stop": ["a\\udc00"]}', 400, "stop", "invalid_text"),
     "surrogate_pair_is_text": (COMP, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}', 200, None, None),
+    # nothing silently ignored: fields the server does not implement are named in a 400
+    "repetition_penalty_unsupported": (CHAT, {"messages": MSG, "repetition_penalty": 1.1}, 400, "repetition_penalty",
+                                       "unsupported_parameter"),
+    "min_p_unsupported": (COMP, {"prompt": "x", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
+    "chat_template_kwargs_tools": (CHAT, {"messages": MSG, "chat_template_kwargs": {"tools": []}}, 400,
+                                   "chat_template_kwargs", None),
+    "tool_choice_without_tools": (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", None),
+    "tool_message_without_id": (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
     "stop_string_256_non_ascii": (COMP, {"prompt": "x", "stop": ["\u00e9\u6f22" * 128], "max_tokens": 2}, 200, None,
                                   None),
 }

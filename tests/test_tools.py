@@ -68,6 +68,13 @@ def test_a_template_that_knows_tools_renders_them_itself(tok):
     assert start == '<tool_call>\n{"name": "get_weather", "arguments":'
 
 
+def test_chat_template_kwargs_reach_the_template(tok):
+    tok = type(tok).from_pretrained(tok.name_or_path)
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}|{{ mood | default('plain') }}"
+    assert tools.render(tok, HISTORY[:1], None, None)[0].endswith("|plain")
+    assert tools.render(tok, HISTORY[:1], None, None, {"mood": "terse"})[0].endswith("|terse")
+
+
 @pytest.mark.parametrize("text, content, calls", [
     ("no call here", "no call here", None),
     ('<tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>', None, [("f", {"a": 1})]),

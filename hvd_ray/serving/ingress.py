@@ -71,6 +71,9 @@ def _validation_error(errors: list[dict]) -> P.APIError:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             return P.APIError(400, f"malformed JSON body: {err.get('msg', '')}".rstrip(": "), code="invalid_json")
+        if err.get("type") == "extra_forbidden" and loc:
+            return P.APIError(400, f"{loc[0]} is not supported by this server", param=loc[0],
+                              code="unsupported_parameter")
         if param is None and loc:
             param = loc[0]
         msgs.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
@@ -473,6 +476,7 @@ class OpenAIIngress:
         body: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
         n = body.requested_max_tokens
         self._check_max_tokens(n, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        payload = {"messages": body.chat_messages(), **body.tool_payload(), "params": body.sampling(n)}
+        payload = {"messages": body.chat_messages(), **body.tool_payload(), "params": body.sampling(n),
+                   "template_kwargs": body.chat_template_kwargs or {}}
         parallel = body.parallel_tool_calls if "tools" in payload else None
         return await self._generate(payload, "chat", body.stream, body.include_usage, arrived, parallel)

@@ -1,9 +1,8 @@
 """OpenAI wire format: request models (pydantic), response/chunk builders and error bodies.
 
-Only what the server implements is modelled; unknown fields are ignored (clients such as the
-official ``openai`` package send extra fields), while fields we cannot honour (``n > 1``,
-``logprobs``, penalties, ...) are rejected with a 400 naming the parameter rather than
-silently ignored.
+Only what the server implements is modelled, and nothing is silently ignored: a field the server
+does not know is refused with a 400 naming it (``unsupported_parameter``), and known fields it
+cannot honour (``n > 1``, ``logprobs``, penalties, ...) with a 400 naming the parameter.
 
 Every field that reaches the engine has a range checked here, before any work (the README's
 "Limits and failure behaviour" lists them): a request the engine cannot run must be a 400 naming
@@ -29,6 +28,8 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # ids beyond the vocabulary are refused by the replica, which knows it
 MAX_MESSAGES = 1024
+TEMPLATE_OWN_KWARGS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                       "continue_final_message", "return_tensors", "return_dict", "chat_template"}
 MAX_TOOLS = 128  # tools per request, and calls per assistant message
 MAX_TOOL_NAME = 64
 MAX_TOOL_ARGUMENTS = 2**16  # characters of one call's arguments (JSON text)
@@ -89,7 +90,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -271,6 +272,7 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): more variables for the chat template
 
     @field_validator("messages")
     @classmethod
@@ -289,6 +291,9 @@ class ChatCompletionRequest(_Common):
             name = self.tool_choice.function.name
             if name not in {t.function.name for t in self.tools or ()}:
                 raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        taken = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_OWN_KWARGS)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
         for m in self.messages:
             if m.role == "tool" and not m.tool_call_id:
                 raise APIError(400, "a tool message needs tool_call_id", param="messages")

@@ -304,7 +304,8 @@ class ReplicaFront:
         """(prompt ids, the parameter they came from, the forced start of the answer)."""
         if req.get("messages") is not None:
             try:
-                text, start = tools.render(self.tok, req["messages"], req.get("tools"), req.get("tool_choice"))
+                text, start = tools.render(self.tok, req["messages"], req.get("tools"), req.get("tool_choice"),
+                                           req.get("template_kwargs"))
             except Exception as e:  # noqa: BLE001 - a template rejecting the conversation is a client error
                 raise _ClientError(f"the chat template rejected the messages: {e}", "messages")
             return self.tok(text + start, add_special_tokens=False)["input_ids"], "messages", start

@@ -64,9 +64,11 @@ def _loads(arguments: str) -> Any:
         return arguments
 
 
-def render(tok, messages: list[dict], tools: list[dict] | None, tool_choice: Any) -> tuple[str, str]:
+def render(tok, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
+           template_kwargs: dict | None = None) -> tuple[str, str]:
     """(prompt text, forced start of the answer) for a chat request; ``messages`` in OpenAI form
-    (assistant ``tool_calls``, ``tool`` messages with ``tool_call_id``)."""
+    (assistant ``tool_calls``, ``tool`` messages with ``tool_call_id``); ``template_kwargs``: more
+    variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
     own = template_knows_tools(tok)
     use = bool(tools) and tool_choice != "none"
     msgs = []
@@ -94,7 +96,7 @@ def render(tok, messages: list[dict], tools: list[dict] | None, tool_choice: Any
     for m in msgs:
         if m.get("content") is None:
             m["content"] = ""
-    kwargs = {"tools": [t for t in tools]} if use and own else {}
+    kwargs = {**(template_kwargs or {}), **({"tools": list(tools)} if use and own else {})}
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
     return text, forced_start(tool_choice, own) if use else ""
 
