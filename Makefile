@@ -1,5 +1,8 @@
 # hvd-ray: `make test` and `make run` work from a fresh clone (they create .venv and provision the model).
-PY      ?= python3.11
+# Any python3 >= 3.11: the first of these on PATH that is new enough (or `make PY=/path/to/python test`).
+PY      ?= $(shell for p in python3.11 python3.12 python3.13 python3.14 python3; do \
+             command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+             2>/dev/null && { echo $$p; break; }; done)
 VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 PIP     := $(PYTHON) -m pip
@@ -13,7 +16,7 @@ PROMPT  ?= Write a Python function that checks whether a number is prime.
 .PHONY: install model vllm-env test test-fast run generate bench eagle3-head clean
 
 $(VENV)/.installed: pyproject.toml
-	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python >= 3.11)"; exit 1; }
+	@test -n "$(PY)" && command -v $(PY) >/dev/null || { echo "need Python >= 3.11: put one on PATH or run make PY=/path/to/python3"; exit 1; }
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'
