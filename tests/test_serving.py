@@ -106,6 +106,10 @@ def test_health_models_and_auth(base_url, http):
     import httpx
 
     assert httpx.get(f"{base_url}/health", timeout=60).json()["status"] == "ok"  # no key needed
+    for path in ("/openapi.json", "/docs"):  # the API's documents are behind the key too
+        assert httpx.get(f"{base_url}{path}", timeout=60).status_code == 401
+        assert http.get(path).status_code == 200
+    assert http.get("/redoc").status_code == 404
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "default"
     assert models["data"][0]["max_model_len"] == 1024
