@@ -1,6 +1,7 @@
-"""HVD inside vLLM (``hvd_ray.vllm``): the proposer's request tracking on a simulated vLLM batch
-(always), and, where the vLLM interpreter exists, the proposer inside real vLLM (fp32 greedy output
-token-identical to vLLM's own greedy on 20 real prompts)."""
+"""HVD inside vLLM (``hvd_ray.vllm``): the proposer's request tracking and per-row choice on a
+simulated vLLM batch and the plug-in's config translation (always), and, where the vLLM interpreter
+exists, the proposer and the plug-in's method ``hvd`` inside real vLLM (fp32 greedy output
+token-identical to vLLM's own greedy on real prompts)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class FakeRunner:
             r["left"] -= len(got)
             r["out"] += got
             sampled.append(got)
-        drafts = self.p.propose(sampled, self.n.copy(), self.tokens)
+        drafts = self.draft(sampled)
         done = {}
         for i in reversed(range(len(self.reqs))):
             self.reqs[i]["draft"] = list(drafts[i])
@@ -73,11 +74,39 @@ class FakeRunner:
                 self.reqs.pop()
         return done
 
+    def draft(self, sampled: list[list[int]]) -> list[list[int]]:
+        return self.p.propose(sampled, self.n.copy(), self.tokens)
+
     def run(self) -> dict[str, list[int]]:
         done = {}
         while self.reqs:
             done.update(self.step())
         return done
+
+
+class FakeHybridRunner(FakeRunner):
+    """The plug-in's step on the fake batch: the proposer plans per row, a model drafter (here the
+    target itself: a perfect head) drafts for every row when any row chose it, and the proposer
+    assembles the rows' drafts. ``steps`` keeps each step's sources of its decoding rows."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps: list[list[str]] = []
+
+    def draft(self, sampled):
+        picks = self.p.plan(sampled, self.n.copy(), self.tokens)
+        k = max((q.length for q in picks if q.source == "model"), default=0)
+        model = None
+        if k:
+            model = []
+            for i in range(len(self.reqs)):
+                ctx = list(self.tokens[i, : self.n[i]])
+                for _ in range(k):
+                    ctx.append(self.target(ctx))
+                model.append(ctx[-k:])
+        out = self.p.finish(picks, model, draft_s=0.0)
+        self.steps.append([q.source if d else "none" for q, d, s in zip(picks, out, sampled) if s])
+        return out
 
 
 def cyclic(period: int):
@@ -163,6 +192,62 @@ def test_hvd_proposer_decides_with_the_predictor(default_folder):
     assert p.decider.cache_scale  # calibrated online from what the steps emitted
 
 
+def test_the_hybrid_plan_takes_the_cache_the_model_or_nothing_per_row(default_folder):
+    """With a model drafter (the plug-in's EAGLE-3 head, here a perfect stand-in) the proposer decides
+    per row: a request repeating its prompt verifies cache drafts, one that does not repeat itself
+    verifies model drafts, in the same steps; greedy output is kept and the counts add up."""
+    from hvd_ray.vllm import HvdStaticProposer
+    from hvd_ray.vllm.proposer import ModelDrafter
+
+    p = HvdStaticProposer(config(k=32, tokenizer=str(default_folder), vocab=49152), model=ModelDrafter("eagle3", 4),
+                          model_accept=2.0)
+
+    def target(ctx):  # request "a" (tokens >= 100) repeats itself, request "b" does not
+        return cyclic(9)(ctx) if ctx[0] >= 100 else hashed(ctx)
+
+    prompts = {"a": list(range(100, 130)), "b": [3, 1, 4, 1, 5, 9, 2, 6]}
+    fake = FakeHybridRunner(p, target)
+    for name, ids in prompts.items():
+        fake.add(name, ids, 64)
+    assert fake.run() == greedy_outputs(target, prompts, 64)
+    s = p.stats()
+    # (the perfect head's drafts are taken whole but where max_tokens cuts a request's last step)
+    assert s["cache_steps"] > 0 and s["model_steps"] > 0 and s["model_accepted"] > 0.8 * s["model_drafted"]
+    assert any({"cache", "model"} <= set(step) for step in fake.steps), fake.steps
+    assert s["model_accept"] > 2.0  # its estimate rises from the prior
+
+
+def test_the_plugin_turns_method_hvd_into_vllm_eagle3_and_checks_the_version():
+    """``{"method": "hvd"}`` becomes vLLM's eagle3 config for the shipped head, drafting after the
+    step's bookkeeping (unpadded), with hvd's own keys taken out; bad settings and vLLM versions
+    outside the supported range are refused, naming what is wrong."""
+    import tomllib
+
+    from hvd_ray.selection.hvd import EAGLE3_ASSET
+    from hvd_ray.vllm.plugin import check_version, translate
+
+    spec, settings = translate({"method": "hvd", "num_speculative_tokens": 16, "hvd_eagle_tokens": 4})
+    assert spec == {"method": "eagle3", "model": str(EAGLE3_ASSET), "num_speculative_tokens": 16,
+                    "disable_padded_drafter_batch": True}
+    assert settings == {"policy": "cost", "eagle_tokens": 4, "head": str(EAGLE3_ASSET)}
+    assert translate({"method": "hvd", "model": "/heads/h", "hvd_policy": "tau", "enforce_eager": True})[0] == {
+        "method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 32, "disable_padded_drafter_batch": True,
+        "enforce_eager": True}
+    for bad, message in (({"hvd_policy": "best"}, "hvd_policy must be one of cost, static, tau"),
+                         ({"hvd_eagle_tokens": 40}, r"hvd_eagle_tokens must be in \[1, num_speculative_tokens = 32\]"),
+                         ({"draft_sample_method": "probabilistic"}, "cannot run with draft_sample_method")):
+        with pytest.raises(ValueError, match=message):
+            translate({"method": "hvd", **bad})
+    for ok in ("0.32.0", "0.32.3+cpu"):
+        check_version(ok)
+    for old in ("0.31.2", "0.33.0"):
+        with pytest.raises(RuntimeError, match=rf"supports vllm>=0.32,<0.33; installed: vllm {old}"):
+            check_version(old)
+    root = Path(__file__).resolve().parents[1]
+    eps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"hvd": "hvd_ray.vllm.plugin:register"}
+
+
 def test_step_clock_times_widths_relative_to_one_token():
     """The cost policy's step costs inside vLLM come from timed steps: per width (nearest bucket),
     relative to one token, never decreasing with width, once each width has a few samples."""
@@ -188,11 +273,12 @@ def test_nothing_but_hvd_ray_vllm_imports_it():
 
 
 # ------------------------------------------------------------------------------ inside real vLLM
-def real_prompts(tok, per_workload: int = 5) -> list[list[int]]:
+def real_prompts(tok, per_workload: int = 5,
+                 workloads=("code", "chat", "function_calling", "code_edit")) -> list[list[int]]:
     from hvd_ray.workloads import load_workload, render
 
     out = []
-    for w in ("code", "chat", "function_calling", "code_edit"):
+    for w in workloads:
         taken = 0
         for p in load_workload(w, split="test"):
             ids = tok(render(p, tok), add_special_tokens=False)["input_ids"]
@@ -226,6 +312,44 @@ def test_hvd_proposer_in_vllm_is_greedy_identical(default_folder):
     assert stats["requests"] == 20 and stats["cache_steps"] > 0 and stats["accepted"] > 0
     # batched, a forward waits for the slowest row; per request, verify steps < decode tokens
     assert ours["per_prompt"][0][2] <= greedy["per_prompt"][0][2] and stats["steps"] < ours["tokens"] - 20
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_plugin_method_hvd_in_vllm_is_greedy_identical(tmp_path, monkeypatch, default_folder):
+    """vLLM with hvd-ray's plug-in, loaded through its ``vllm.general_plugins`` entry point, and the
+    method ``hvd`` (suffix cache, the shipped EAGLE-3 head, the cost policy), fp32 greedy, held-out
+    function-calling, code and chat prompts, at batch 8 and at batch 1: token-identical to vLLM's own
+    greedy; rows verified cache drafts and EAGLE-3 drafts, and some step's rows took different sources."""
+    from transformers import AutoTokenizer
+
+    from hvd_ray.bench.peers import run_vllm_job
+
+    prompts = real_prompts(AutoTokenizer.from_pretrained(default_folder), 3, ("function_calling", "code", "chat"))[:8]
+    # an installed package's entry point, without installing hvd-ray into vLLM's interpreter
+    dist = tmp_path / "hvd_ray_plugin_check-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hvd-ray-plugin-check\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nhvd = hvd_ray.vllm.plugin:register\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    methods = {"vllm-greedy": None, "vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32}}
+    stats = {}
+    for batch, group in ((8, prompts), (1, prompts[::2])):
+        job = {"model": str(default_folder), "prompts": group, "max_tokens": 48, "threads": 2, "dtype": "float32",
+               "batch": batch > 1, "inproc": True, "count": True, "methods": methods}
+        res = run_vllm_job(VLLM_PYTHON, job, timeout=600)
+        assert "hvd" in res["plugins"], res["plugins"]  # vLLM loads the plug-in itself
+        greedy, ours = res["methods"]["vllm-greedy"], res["methods"]["vllm-hvd-plugin"]
+        assert "error" not in ours, ours
+        assert len(ours["outputs"]) == len(group) and ours["outputs"] == greedy["outputs"], batch
+        stats[batch] = s = ours["proposer"]
+        assert s["requests"] == len(group) and sum(s["rows"].values()) > 0, s
+    print("rows by source at batch 8 / 1:", stats[8]["rows"], stats[1]["rows"],
+          "steps with rows of different sources at batch 8:", stats[8]["mixed_steps"],
+          "of them with a cache and a model row:", stats[8]["cache_and_model_steps"])
+    for source in ("cache", "model"):
+        assert stats[8]["rows"][source] + stats[1]["rows"][source] > 0, stats
+    assert stats[8]["mixed_steps"] > 0, stats[8]
 
 
 @pytest.mark.slow
@@ -440,7 +564,7 @@ def test_the_vllm_replica_streams_text_through_the_shared_request_path(default_f
         front.loop = VllmLoop([sys.executable, "-c", FAKE_CHILD])
         try:
             evs = await run({"prompt": "one two three four", "params": {**params, "max_tokens": 4}})
-            assert evs[0] == {"type": "start", "prompt_tokens": 4}
+            assert evs[0] == {"type": "start", "prompt_tokens": 4, "forced": ""}
             assert "".join(e["text"] for e in evs if e["type"] == "delta") == "one two three four"
             assert evs[-1]["finish_reason"] == "length" and evs[-1]["completion_tokens"] == 4
 

@@ -1,14 +1,20 @@
-"""HVD's cache side inside vLLM (``hvd_ray.vllm``) against vLLM's own greedy and suffix decoding:
-every method is an ``LLM`` in the vLLM interpreter, batch 1, prompts interleaved across methods;
-hvd-ray's worker extension counts each method's target forwards."""
+"""HVD inside vLLM (``hvd_ray.vllm``: the cache side as a ``custom_class`` proposer, the whole hybrid
+as the plug-in's method ``hvd``) against vLLM's own greedy, suffix and EAGLE-3 decoding (with our
+head): every method is an ``LLM`` in the vLLM interpreter, batch 1, prompts interleaved across
+methods; hvd-ray's worker extension counts each method's target forwards."""
 
 from __future__ import annotations
 
+from ..selection.hvd import EAGLE3_ASSET
 from .machine import DTYPE_NAMES, command, machine_line
 from .peers import VLLM_HVD_METHODS, VLLM_METHODS, run_vllm_job
 from .prompts import prompt_ids
 
-METHODS = {**VLLM_METHODS, **VLLM_HVD_METHODS}
+# the plug-in's method (hvd_ray/vllm/plugin.py): the cache, the shipped EAGLE-3 head and the cost policy
+PLUGIN_METHODS = {"vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32}}
+PLUGIN = "hvd_ray.vllm.plugin:register"  # its entry point (pyproject.toml), called by vllm_peer.py
+METHODS = {**VLLM_METHODS, "vllm-eagle3": {**VLLM_METHODS["vllm-eagle3"], "model": str(EAGLE3_ASSET)},
+           **VLLM_HVD_METHODS, **PLUGIN_METHODS}
 DEFAULT_METHODS = ("vllm-greedy", "vllm-suffix", "vllm-suffix-d64", "vllm-hvd-suffix", "vllm-hvd-static", "vllm-hvd")
 
 
@@ -20,9 +26,9 @@ def bench_vllm(args) -> str:
     if not args.vllm_python:
         raise SystemExit("vllm mode needs --vllm-python (bash ../shared/peers/setup_vllm.sh)")
     names = list(args.vllm_methods or DEFAULT_METHODS)
-    bad = [m for m in names if m not in METHODS or m == "vllm-eagle3"]
+    bad = [m for m in names if m not in METHODS]
     if bad:
-        raise SystemExit(f"unknown vLLM methods {bad}; choose from {', '.join(m for m in METHODS if m != 'vllm-eagle3')}")
+        raise SystemExit(f"unknown vLLM methods {bad}; choose from {', '.join(METHODS)}")
     if "vllm-greedy" not in names:
         names.insert(0, "vllm-greedy")
     tok = AutoTokenizer.from_pretrained(resolve("default"))
@@ -31,6 +37,8 @@ def bench_vllm(args) -> str:
     job = {"model": str(resolve("default")), "prompts": [ids for *_, ids in prompts], "max_tokens": args.max_tokens,
            "threads": args.threads, "dtype": args.dtype, "inproc": True, "count": True,
            "methods": {m: METHODS[m] for m in names}}
+    if any(m in PLUGIN_METHODS for m in names):  # (vLLM calls only installed packages' entry points)
+        job["plugins"] = [PLUGIN]
     res = run_vllm_job(args.vllm_python, job)
     meth = res["methods"]
     errors = {m: r["error"] for m, r in meth.items() if "error" in r}
@@ -49,7 +57,7 @@ def bench_vllm(args) -> str:
             a[4] += 1
             a[5] += meth[m]["outputs"][j] == ref
     lines = [
-        "# HVD's cache side inside vLLM vs vLLM's greedy and suffix decoding (batch 1)",
+        "# HVD inside vLLM vs vLLM's greedy, suffix and EAGLE-3 decoding (batch 1)",
         "",
         f"Command: `{command('jobs/benchmark.py')}`  ",
         f"Machine: {machine_line()}; vLLM {res.get('version')} (CPU), own interpreter `{args.vllm_python}`, "
@@ -84,6 +92,9 @@ def bench_vllm(args) -> str:
         lines += ["", "Our proposers' own counts (whole run): " + "; ".join(
             f"`{m}`: {s['steps']} verify steps, {s['cache_steps']} with a cache draft, {s['drafted']} draft tokens "
             f"proposed there, {s['accepted']} accepted"
+            + (f"; {s['model_steps']} with an EAGLE-3 draft, {s['model_drafted']} draft tokens there, "
+               f"{s['model_accepted']} accepted; {s['mixed_steps']} steps whose rows took different sources"
+               if "model_steps" in s else "")
             + (f", step costs by width at the end ({'timed from its own steps' if s.get('costs_timed') else 'prior'}): "
                + ", ".join(f"{w}: {c:.2f}" for w, c in s["costs"].items()) if s.get("costs") else "")
             for m, s in stats.items()) + "."]

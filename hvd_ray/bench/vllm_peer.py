@@ -13,7 +13,9 @@ one call, ``max_num_seqs`` = their number); ``"inproc": true`` (the engine core 
 ``--serve`` runs it); ``"count": true`` (hvd-ray's worker extension counts each method's target
 forwards: ``per_prompt`` rows get ``[tokens, s, forwards, prefill forwards]`` and the method its
 proposer's counts under ``"proposer"``; needs hvd_ray on ``PYTHONPATH``, as does a ``custom_class``
-method naming ``hvd_ray.vllm.*``).
+method naming ``hvd_ray.vllm.*``); ``"plugins": ["module:function", ...]`` (vLLM plug-in entry points
+to call first, e.g. ``hvd_ray.vllm.plugin:register`` for the method ``{"method": "hvd", ...}`` where
+hvd-ray is not installed; the output's ``"plugins"`` lists the entry points vLLM finds itself).
 
     /path/to/vllm-venv/bin/python hvd_ray/bench/vllm_peer.py --serve '{"model": ..., "dtype": ..., "threads": t,
                                                                          "spec": speculative_config or null}'
@@ -45,6 +47,7 @@ def main() -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
+    plugins = load_plugins(job.get("plugins", ()))
     batch, count = bool(job.get("batch")), bool(job.get("count"))
     prompts = job["prompts"]
     llms, res = {}, {}
@@ -86,7 +89,21 @@ def main() -> None:
     if count:
         for name, llm in llms.items():
             res[name]["proposer"] = llm.collective_rpc("hvd_stats")[0].get("proposer")
-    print(json.dumps({"version": vllm.__version__, "methods": res}))
+    print(json.dumps({"version": vllm.__version__, "methods": res, "plugins": plugins}))
+
+
+def load_plugins(refs) -> list[str]:
+    """Call the plug-in entry points ``refs`` (``"module:function"``, e.g. hvd-ray's
+    ``hvd_ray.vllm.plugin:register``) before vLLM starts: vLLM calls only the entry points of
+    installed packages, and hvd-ray may be on ``PYTHONPATH`` only. Returns the names of the
+    ``vllm.general_plugins`` entry points vLLM itself will find (each plug-in registers once)."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    for ref in refs:
+        module, _, name = ref.partition(":")
+        getattr(importlib.import_module(module), name)()
+    return sorted(ep.name for ep in entry_points(group="vllm.general_plugins"))
 
 
 def serve(job: dict) -> None:

@@ -30,6 +30,9 @@ COST_POLICIES = ("cost", "cost-union")
 # match-sized drafts at the start of a repeated answer (1, 2, 3 tokens) never pay, a 9-token
 # draft does. φ_t still describes the match-sized draft (policy.unextended).
 CACHE_OFFSET = 8
+# One EAGLE-3 draft token (a one-layer head), relative to a one-token target forward: the cost
+# policy's prior until it times the head's drafts.
+EAGLE3_TOKEN_COST = 0.15
 
 
 def suffix_config(policy: str, **kw) -> SuffixConfig:
@@ -47,6 +50,17 @@ def load_predictor(path: str | Path | None = None) -> YieldPredictor:
     if digest != pin["sha256"]:
         raise ValueError(f"shipped predictor {SHIPPED_PREDICTOR} fails its checksum ({digest} != {pin['sha256']})")
     return YieldPredictor.load(SHIPPED_PREDICTOR)
+
+
+def eagle3_accept_prior(head: str | Path | None = None) -> float | None:
+    """Mean accepted draft tokens of an EAGLE-3 head by its training report (``training.json``:
+    the held-out all-positions figure, less the bonus token), or None without one. Optimistic
+    (prompts included), so every request tries the head early and its own steps take over."""
+    report = Path(head) if head else EAGLE3_ASSET
+    meta = json.loads((report / "training.json").read_text()) if (report / "training.json").exists() else {}
+    heldout = meta.get("heldout", {})
+    accept = heldout.get("all_positions", heldout).get("mean_accepted_tokens_per_forward")
+    return accept - 1.0 if accept else None
 
 
 def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = None, tau: float = 6.0,
@@ -73,12 +87,8 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
             # ~0.1-0.15 here). The acceptance prior is the training report's all-positions figure,
             # an optimistic one (prompts included): every request then tries the head early, and its
             # own model steps take over after a few (CostPolicy.request_model).
-            report = Path(eagle3_head) if eagle3_head else EAGLE3_ASSET
-            meta = json.loads((report / "training.json").read_text()) if (report / "training.json").exists() else {}
-            heldout = meta.get("heldout", {})
-            accept = heldout.get("all_positions", heldout).get("mean_accepted_tokens_per_forward")
-            pol = CostPolicy(g, cache, drafter, flags, model_token_cost=0.15, cost_table=costs,
-                             model_accept=(accept - 1.0) if accept else None, union=union)
+            pol = CostPolicy(g, cache, drafter, flags, model_token_cost=EAGLE3_TOKEN_COST, cost_table=costs,
+                             model_accept=eagle3_accept_prior(eagle3_head), union=union)
         else:
             pol = CostPolicy(g, cache, drafter, flags, cost_table=costs, union=union)
     elif policy == "score":

@@ -1,10 +1,12 @@
 """HVD inside vLLM (optional extra ``hvd-ray[vllm]``): our suffix trees and yield predictor as a
-vLLM speculative proposer (``method: custom_class``), and a worker extension that counts target
-forwards. Nothing else in hvd_ray imports this package; it imports no vLLM module itself (vLLM
-builds the proposer from its config and calls it), so it loads wherever hvd_ray does.
+vLLM speculative proposer (``method: custom_class``), a worker extension that counts target
+forwards, and the plug-in (``plugin.py``, vLLM's entry point ``hvd``) that makes the whole hybrid,
+cache and EAGLE-3 head, the speculative method ``hvd``. Nothing else in hvd_ray imports this
+package; only ``plugin.register`` imports vLLM (vLLM calls it), so it loads wherever hvd_ray does.
 
     speculative_config={"method": "custom_class", "model": "hvd_ray.vllm.HvdProposer",
                         "num_speculative_tokens": 32}
+    speculative_config={"method": "hvd", "num_speculative_tokens": 32}   # with the plug-in
 """
 
 from .proposer import HvdProposer, HvdStaticProposer, HvdTauProposer, SuffixProposer

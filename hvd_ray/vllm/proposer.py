@@ -27,6 +27,12 @@ nobody starts a request (its prompt: the row minus the emitted tokens). A reques
 batch for ``AWAY_STEPS`` steps (finished, or preempted for that long) is ended: its output is already
 in the global tree, which grows with every live output. Matching by content cannot tell apart two
 requests whose tokens are identical so far; the drafts they get are then identical too.
+
+The same proposer is HVD's decision inside hvd-ray's vLLM plug-in (``plugin.py``), which gives it a
+model drafter it does not run itself (:class:`ModelDrafter`: vLLM's EAGLE-3 proposer): there
+:meth:`HvdProposer.plan` decides per row between the cache draft, a model draft and none, the
+plug-in has vLLM's proposer draft for the rows that chose it, and :meth:`HvdProposer.finish`
+assembles the rows' drafts.
 """
 
 from __future__ import annotations
@@ -34,14 +40,18 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from ..drafters.base import Draft
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
+from ..engine.request import StepRecord
 from ..selection.features import VocabFlags, features
-from ..selection.hvd import load_predictor, suffix_config
-from ..selection.policy import CACHE, VERIFY_COST, CostPolicy, StepView, TauPolicy, nominal, unextended
+from ..selection.hvd import EAGLE3_TOKEN_COST, load_predictor, suffix_config
+from ..selection.policy import (CACHE, MODEL, NONE, VERIFY_COST, CostPolicy, StepView, TauPolicy, nominal,
+                                unextended)
 
 # The draft length φ_t describes: the engine's default model-drafter budget, the one trace replay
 # labelled the predictor's training rows at.
@@ -87,7 +97,7 @@ class _Req:
     """One request as the proposer follows it: its tokens (a growing numpy buffer, to match rows),
     prompt length, output and the (cache chosen, accepted) history of its verify steps."""
 
-    __slots__ = ("key", "buf", "n", "prompt_len", "output", "history", "drafted", "away")
+    __slots__ = ("key", "buf", "n", "prompt_len", "output", "history", "drafted", "source", "draft_s", "away")
 
     def __init__(self, key: int, prompt: np.ndarray):
         self.key = key
@@ -97,6 +107,8 @@ class _Req:
         self.output: list[int] = []
         self.history: list[tuple[bool, int]] = []
         self.drafted = 0  # tokens of the draft proposed for it last step (0: none)
+        self.source = NONE  # where that draft came from: CACHE, MODEL or NONE
+        self.draft_s = 0.0  # seconds the model drafter spent on that step's drafts (MODEL)
         self.away = 0
 
     @property
@@ -115,6 +127,27 @@ class _Req:
         self.output.extend(tokens)
 
 
+@dataclass(frozen=True)
+class ModelDrafter:
+    """A model drafter as the policy sees one that runs elsewhere (vLLM's EAGLE-3 proposer, run by
+    the plug-in): its name in step records and the draft length it makes (``depth``)."""
+
+    name: str = "eagle3"
+    depth: int = 5
+
+
+class Pick(NamedTuple):
+    """The decision for one batch row: ``source`` (CACHE, MODEL or NONE), the cache draft's tokens
+    to verify (CACHE), or the model draft's length (MODEL)."""
+
+    source: str
+    tokens: list[int]
+    length: int = 0
+
+
+NO_DRAFT = Pick(NONE, [])
+
+
 class HvdProposer:
     """HVD's cache side (the ``cost`` policy) for vLLM's ``custom_class`` method; see the module
     docstring. Settings from the environment: ``HVD_RAY_PREDICTOR`` (a yield-predictor folder;
@@ -122,24 +155,32 @@ class HvdProposer:
     assumes, since vLLM does not tell a proposer; default 256), ``HVD_VLLM_VERIFY_COST`` (JSON
     ``{tokens: cost}``: a forward over that many new tokens relative to a 1-token one, on this
     hardware; default: timed from vLLM's own steps (:class:`StepClock`), starting from
-    ``selection/policy.py:VERIFY_COST``, a GPU-like curve where long drafts are nearly free)."""
+    ``selection/policy.py:VERIFY_COST``, a GPU-like curve where long drafts are nearly free).
+
+    ``model`` (the plug-in's): a model drafter the policy may choose per row instead of the cache,
+    drafting ``model.depth`` tokens; ``model_accept`` its prior mean accepted tokens (None: the
+    predictor's training mean) and ``model_token_cost`` its drafting time per token, in one-token
+    target forwards, until measured (``finish``'s ``draft_s``)."""
 
     policy = "cost"
     timed = True  # time vLLM's steps for the cost table (else the static GPU-like one)
 
-    def __init__(self, vllm_config) -> None:
+    def __init__(self, vllm_config, model: ModelDrafter | None = None, model_accept: float | None = None,
+                 model_token_cost: float = EAGLE3_TOKEN_COST) -> None:
         spec = vllm_config.speculative_config
         mc = vllm_config.model_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(mc.max_model_len)
         self.max_tokens = int(os.environ.get("HVD_VLLM_MAX_TOKENS", "256"))
+        self.model = model
         self.cache = SuffixDrafter(suffix_config(self.policy) if self.policy != "always-cache" else SuffixConfig())
         self.decider = None
         self.clock = None
         if self.policy != "always-cache":
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
+            tok = AutoTokenizer.from_pretrained(mc.tokenizer,
+                                                trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
             self.flags = VocabFlags.from_tokenizer(tok, int(mc.get_vocab_size()))
             g = load_predictor(os.environ.get("HVD_RAY_PREDICTOR") or None)
             cost = os.environ.get("HVD_VLLM_VERIFY_COST")
@@ -147,14 +188,17 @@ class HvdProposer:
             # no table given: start from the GPU-like one (long drafts nearly free: an optimistic
             # prior, so wide steps happen and get timed) and switch to the timed one once it exists
             self.clock = StepClock() if not cost and self.policy == "cost" and self.timed else None
-            self.decider = (CostPolicy(g, self.cache, None, self.flags, cost_table=table) if self.policy == "cost"
-                            else TauPolicy(g, self.cache, None, self.flags))
+            self.decider = (CostPolicy(g, self.cache, model, self.flags, cost_table=table, model_accept=model_accept,
+                                       model_token_cost=model_token_cost) if self.policy == "cost"
+                            else TauPolicy(g, self.cache, model, self.flags))
         self._t_end: float | None = None  # when the last propose call returned
         self._width: int | None = None  # tokens the step after it scores (None: not known)
         self._rows: list[_Req | None] = []  # the request in each row last step
         self._reqs: dict[int, _Req] = {}  # live requests by key
         self._next = 0
         self.counts = {"requests": 0, "steps": 0, "cache_steps": 0, "drafted": 0, "accepted": 0}
+        if model is not None:
+            self.counts.update(model_steps=0, model_drafted=0, model_accepted=0)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM calls this with the target model; the trees need nothing from it."""
@@ -162,6 +206,11 @@ class HvdProposer:
     # ------------------------------------------------------------------ vLLM's hook
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings=None, **_) -> list[list[int]]:
+        return self.finish(self.plan(sampled_token_ids, num_tokens_no_spec, token_ids_cpu))
+
+    def plan(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+             token_ids_cpu: np.ndarray) -> list[Pick]:
+        """Book the tokens each row emitted and decide, per row, what it verifies next step."""
         t0 = time.perf_counter()
         rows = self._track(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         batch = sum(r is not None for r in rows)
@@ -171,12 +220,29 @@ class HvdProposer:
             if table is not None:
                 self.decider.costs.table.clear()  # (CostPolicy.table is the same dict)
                 self.decider.costs.table.update(table)
+        if self.model is not None and self._width and self._clean and isinstance(self.decider, CostPolicy):
+            # a one-token forward's seconds by the last step and its width: the unit the model's
+            # drafting time is priced in (CostPolicy.learn)
+            one = (t0 - self._t_end) / self.decider.costs.batch(batch, self._width)
+            old = self.decider.forward_s
+            self.decider.forward_s = one if old is None else 0.9 * old + 0.1 * one
+        return [self._decide(r, int(num_tokens_no_spec[i]), batch) if r is not None else NO_DRAFT
+                for i, r in enumerate(rows)]
+
+    def finish(self, picks: Sequence[Pick], model_tokens: Sequence[Sequence[int]] | None = None,
+               draft_s: float = 0.0) -> list[list[int]]:
+        """Each row's draft for vLLM: the cache tokens picked, or the first ``length`` tokens of the
+        row's model draft (``model_tokens``, one per row, drafted for the rows that chose the model;
+        ``draft_s``: the seconds that drafting took)."""
+        rows = self._rows  # (this step's, as plan found them)
         out = []
-        for i, r in enumerate(rows):
-            draft = self._draft(r, int(num_tokens_no_spec[i]), batch) if r is not None else []
+        for i, (p, r) in enumerate(zip(picks, rows)):
+            draft = list(model_tokens[i][: p.length] if p.source == MODEL and model_tokens is not None else p.tokens)
             if r is not None:
-                r.drafted = len(draft)
+                r.drafted, r.source = len(draft), (p.source if draft else NONE)
+                r.draft_s = draft_s if p.source == MODEL else 0.0
             out.append(draft)
+        batch = sum(r is not None for r in rows)
         self._width = sum(1 + len(d) for d, r in zip(out, rows) if r is not None) if batch == len(rows) else None
         self._t_end = time.perf_counter()
         return out
@@ -222,14 +288,22 @@ class HvdProposer:
         r.away = 0
         if r.output:  # tokens of a verify step: the accepted draft tokens + the target's own
             accepted = len(tokens) - 1
-            r.history.append((r.drafted > 0, accepted))
+            r.history.append((r.source == CACHE, accepted))
             if len(r.history) > HISTORY:
                 del r.history[0]
             self.counts["steps"] += 1
-            if r.drafted:
+            if r.source == CACHE:
                 self.counts["cache_steps"] += 1
                 self.counts["drafted"] += r.drafted
                 self.counts["accepted"] += accepted
+            elif r.source == MODEL:
+                self.counts["model_steps"] += 1
+                self.counts["model_drafted"] += r.drafted
+                self.counts["model_accepted"] += accepted
+                if isinstance(self.decider, CostPolicy):  # the model side learns what its drafts get
+                    rec = StepRecord(self.model.name, r.drafted, accepted, r.draft_s, 0.0, context=r.n)
+                    self.decider.learn(rec)
+                    self.decider.request_model(r.key, self.model.depth, rec)
         r.extend(tokens)
         self.cache.accept(r.key, tokens)
         if isinstance(self.decider, CostPolicy):
@@ -240,34 +314,49 @@ class HvdProposer:
         self.cache.end(r.key)
 
     # ------------------------------------------------------------------ the decision
-    def _draft(self, r: _Req, n: int, batch: int) -> list[int]:
+    def _decide(self, r: _Req, n: int, batch: int) -> Pick:
         room = min(self.k, self.max_model_len - n - 1)
         if room <= 0:
-            return []
+            return NO_DRAFT
         long = self.cache.speculate(r.key, room)
-        if self.decider is None or not len(long):
-            return list(long.token_ids)
-        draft = nominal(long, min(NOMINAL, room, unextended(long, self.cache)))
+        model_len = min(self.model.depth, room) if self.model is not None else 0
+        if self.decider is None:
+            return Pick(CACHE, list(long.token_ids)) if len(long) else NO_DRAFT
+        if not len(long) and not model_len:
+            return NO_DRAFT
+        draft = nominal(long, min(NOMINAL, room, unextended(long, self.cache))) if len(long) else Draft()
         phi = features(draft, prompt_len=r.prompt_len, generated=len(r.output), max_tokens=self.max_tokens,
                        last_token=r.output[-1], history=r.history, flags=self.flags)
-        view = StepView(phi, len(draft), 0, cache_long=len(long), batch=batch, cache_probs=long.probs)
+        view = StepView(phi, len(draft), model_len, cache_long=len(long), batch=batch, cache_probs=long.probs,
+                        context=r.n)
         if isinstance(self.decider, CostPolicy):
             key = CostPolicy.cache_key(draft.source, draft.match_len, len(r.output))
-            choice, y = self.decider.decide(view, key)
+            m, m_len = self.decider.request_model(r.key, model_len) if model_len else (None, None)
+            choice, y = self.decider.decide(view, key, m, m_len)
             self.decider.remember(r.key, long, y, key, len(r.output), view)
         else:
             choice, _ = self.decider.decide(view)
-        if choice != CACHE:
-            return []
-        return list(long.token_ids[: view.take if view.take is not None else len(long)])
+        if choice == CACHE and len(long):
+            return Pick(CACHE, list(long.token_ids[: view.take if view.take is not None else len(long)]))
+        if choice == MODEL and model_len:
+            return Pick(MODEL, [], model_len)
+        return NO_DRAFT
 
     def stats(self) -> dict:
         """Counts since start: requests seen, verify steps, steps that verified a cache draft, draft
-        tokens proposed on them and accepted; the step costs in use (``cost`` policy)."""
+        tokens proposed on them and accepted (with a model drafter, the same for its steps:
+        ``model_*``); the step costs in use (``cost`` policy)."""
         out = dict(self.counts, live=len(self._reqs))
         if isinstance(self.decider, CostPolicy):
             out["costs"] = {str(w): round(c, 3) for w, c in sorted(self.decider.costs.table.items())}
             out["costs_timed"] = self.clock is not None and self.clock.table() is not None
+            if self.clock is not None:  # seconds per step width, and how many steps each has
+                out["step_s"] = {str(w): [round(t, 4), self.clock.samples[w]]
+                                 for w, t in sorted(self.clock.seconds.items())}
+            if self.model is not None:
+                out["model_accept"] = round(self.decider.model_accept, 3)
+                if self.decider.model_draft_cost is not None:
+                    out["model_draft_cost"] = round(self.decider.model_draft_cost, 3)
         return out
 
 
@@ -290,4 +379,4 @@ class SuffixProposer(HvdProposer):
     policy = "always-cache"
 
 
-__all__ = ["HvdProposer", "HvdStaticProposer", "HvdTauProposer", "SuffixProposer"]
+__all__ = ["HvdProposer", "HvdStaticProposer", "HvdTauProposer", "ModelDrafter", "Pick", "SuffixProposer"]

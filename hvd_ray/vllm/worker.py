@@ -4,7 +4,8 @@
     llm.collective_rpc("hvd_count_forwards")       # once: wrap the model runner's execute_model
     ...generate...
     llm.collective_rpc("hvd_stats")[0]           # {"forwards", "prefill_forwards", "scheduled_tokens",
-                                                 #  "draft_tokens", "proposer": HvdProposer.stats()}
+                                                 #  "draft_tokens", "proposer": HvdProposer.stats()
+                                                 #  or, under the plug-in's method hvd, Hybrid.stats()}
 
 A forward is one ``execute_model`` call that schedules tokens; a prefill forward one that schedules a
 new request (its prompt, or its first chunk). vLLM's own spec-decode counters over-count accepted
@@ -39,7 +40,7 @@ class HvdWorkerExtension:
     def hvd_stats(self) -> dict:
         runner = self.model_runner
         out = dict(getattr(runner, "_hvd_counts", None) or {})
-        drafter = getattr(runner, "drafter", None)
+        drafter = runner.__dict__.get("_hvd_hybrid") or getattr(runner, "drafter", None)  # (the plug-in's)
         if callable(getattr(drafter, "stats", None)):
             out["proposer"] = drafter.stats()
         return out
