@@ -79,41 +79,33 @@ def _none_survive(arg: str) -> bool:
     return not _alive(arg)
 
 
-def test_background_child_does_not_survive():
+def _leaves_no_sleeper(program_for, passes: bool, timeout: float = 10.0) -> None:
+    """Run ``program_for(arg)`` (it starts ``sleep arg`` children); it passes or fails as
+    ``passes`` says, and no ``sleep arg`` outlives the run."""
     arg = f"300.{secrets.randbelow(10**6)}"  # a unique command line to look for
-    program = f'import subprocess\nsubprocess.Popen(["sleep", "{arg}"])\n' + CHECK + "\ncheck(add)\n"
     try:
-        assert run_tests(program)
+        assert run_tests(program_for(arg), timeout=timeout) is passes
         assert _none_survive(arg)
     finally:
         for p in _alive(arg):
             p.kill()
+
+
+def test_background_child_does_not_survive():
+    _leaves_no_sleeper(lambda arg: f'import subprocess\nsubprocess.Popen(["sleep", "{arg}"])\n' + CHECK
+                       + "\ncheck(add)\n", passes=True)
 
 
 def test_many_children_with_a_timeout_do_not_survive():
-    arg = f"300.{secrets.randbelow(10**6)}"
-    program = (f'import subprocess, time\nfor _ in range(20):\n    subprocess.Popen(["sleep", "{arg}"])\n'
-               "time.sleep(60)\n")
-    try:
-        assert not run_tests(program, timeout=2)
-        assert _none_survive(arg)
-    finally:
-        for p in _alive(arg):
-            p.kill()
+    _leaves_no_sleeper(lambda arg: f'import subprocess, time\nfor _ in range(20):\n    subprocess.Popen(["sleep", '
+                       f'"{arg}"])\ntime.sleep(60)\n', passes=False, timeout=2)
 
 
 def test_child_in_its_own_session_dies_with_the_pid_namespace():
     if not sandbox_info()["pid_namespace"]:
         pytest.skip("no PID namespace here: a descendant that leaves the process group can outlive the run")
-    arg = f"300.{secrets.randbelow(10**6)}"
-    program = (f'import subprocess\nsubprocess.Popen(["sleep", "{arg}"], start_new_session=True)\n'
-               + CHECK + "\ncheck(add)\n")
-    try:
-        assert run_tests(program)
-        assert _none_survive(arg)
-    finally:
-        for p in _alive(arg):
-            p.kill()
+    _leaves_no_sleeper(lambda arg: f'import subprocess\nsubprocess.Popen(["sleep", "{arg}"], start_new_session=True)\n'
+                       + CHECK + "\ncheck(add)\n", passes=True)
 
 
 def test_no_network_when_isolated():
