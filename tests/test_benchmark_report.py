@@ -218,8 +218,8 @@ def test_spec_times_start_up_costs_on_a_busy_cpu_and_keeps_a_start_up_baseline(t
 
 
 def test_spec_regimes_and_the_dominance_table(tmp_path):
-    """``spec --regimes``: every regime gets its table, the live oracle runs as a method, the P2
-    table compares hvd-cost with its own drafters in each regime, and outputs stay greedy's (fp32).
+    """``spec --regimes``: every regime gets its table, the live oracle runs as a method, the
+    dominance table compares hvd-cost with its own drafters in each regime, and outputs stay greedy's (fp32).
     The repeat is drafted from the cache: fewer forwards than the cold pass of the same prompt. The
     agent turn finds its first turn's K/V in the slot (prefix reuse), unlike ``greedy+noreuse``."""
     out = tmp_path / "regimes.md"

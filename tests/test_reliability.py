@@ -101,7 +101,7 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
     "json_nested_too_deep": (CHAT, b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None, None),
     "body_not_utf8": (CHAT, b'{"messages": "\xff\xfe"}', 400, None, "invalid_json"),
     "stream_not_bool": (CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream", None),
-    # [S1]'s list
+    # malformed and mistyped bodies
     "malformed_json": (COMP, b"{not json", 400, None, "invalid_json"),
     "max_tokens_wrong_type": (COMP, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),
     "unknown_model": (COMP, {"prompt": "x", "model": "gpt-4o"}, 404, "model", "model_not_found"),

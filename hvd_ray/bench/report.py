@@ -151,7 +151,7 @@ def targets(rows: dict, vllm: dict | None, workloads) -> list[str]:
         lines.append(f"| {h} >= 1.5x vLLM CPU's best speculative method ({best}), function calling, batch 1 | "
                      f"{x:.2f}x | {'met' if x >= 1.5 else f'not met (gap {1.5 - x:.2f}x)'} |")
     r, vs = rows.get((fc, HVD[-1])), rows.get((fc, "vllm-suffix"))
-    if r and vs:  # P2: vLLM's built-in suffix decoding as a user gets it, against what we ship
+    if r and vs:  # vLLM's built-in suffix decoding as a user gets it, against what we ship
         x = cell(r, None)["tok_s"] / cell(vs, None)["tok_s"]
         lines.append(f"| {HVD[-1]} >= 1.3x vLLM CPU suffix decoding at its defaults, function calling, batch 1 | "
                      f"{x:.2f}x | {'met' if x >= 1.3 else f'not met (gap {1.3 - x:.2f}x)'} |")
@@ -270,7 +270,7 @@ def build_report(args) -> str:
 
     http_md = []
     if (args.http or not args.quick) and not args.no_http:
-        args.http_out = out_dir / "http.md"  # S1's HTTP table, same run
+        args.http_out = out_dir / "http.md"  # the report's HTTP table, same run
         http_md = [(server, md.split("<details>")[0]) for server, md in bench_http_servers(args)]
 
     cells = {f"{w}/{m}": cell(rows[(w, m)], rows.get((w, "greedy"))) for w in workloads for m in methods

@@ -52,7 +52,7 @@ MODEL_METHODS = ("eagle3", "eagle3-tree", "layerskip", "hvd-always-model")
 
 
 def dominance_table(by_regime: dict, workloads, methods) -> list[str]:
-    """P2's bars per regime and workload for the shipped policy (``hvd-cost-union`` where the run has
+    """The dominance targets per regime and workload for the shipped policy (``hvd-cost-union`` where the run has
     it, else ``hvd-cost``): its tok/s over the best single source (always-cache, always-model) of
     the same run, and its forwards per 1k tokens over the live oracle's; with both in the run, the
     union's tok/s and forwards over hvd-cost's (union tree vs choose-one)."""
@@ -270,7 +270,7 @@ def bench_spec(args) -> str:
                   "global trees hold other requests' outputs of the same workloads.", *notes, ""]
         dom = dominance_table(by_regime, args.workloads, methods)
         if dom:
-            lines += ["## HVD against its own drafters (P2's bars: HVD / best >= 0.97, "
+            lines += ["## HVD against its own drafters (targets: HVD / best >= 0.97, "
                       "HVD fwd/1k within 10 % of the live oracle's)", "", *dom, ""]
     if any(audit.values()):
         lines += ["## The cache side's estimates where decoding asks them (hvd-cost, every step start)", "",

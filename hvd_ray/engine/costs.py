@@ -232,9 +232,8 @@ class SpeculationCheck:
     An arm's rate is its tokens over its seconds, both sums discounted by ``adapt`` per step at that
     batch size (not per step of the arm), so every arm follows load and prompts at the same pace: a
     per-sample average let an arm retried every 16th step keep ~40 % of its weight on its first
-    three steps, taken while the global tree was still empty, long after (a 59-prompt run at
-    concurrency 16 here rated the cache arm at 69 tok/s against the policy's 125 on them, and
-    decoded at 0.91 of the cache drafter alone). One step counts for at most ``outlier`` times the
+    three steps, taken while the global tree was still empty, long after (rated by those cold
+    steps, the cache arm looked about half as fast as it was, and the policy's arm was kept). One step counts for at most ``outlier`` times the
     arm's average step time: a drafted step that also runs EAGLE-3 over a new request's whole prompt (its one-off catch-up)
     can take seven plain steps' time, and taken whole that one step dragged the drafted arm below
     the plain one, where it then stayed, re-measured only every ``explore_drafts``-th step. (An

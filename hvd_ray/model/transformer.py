@@ -208,9 +208,8 @@ def sdpa_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     kernel (fp32 accumulation and softmax) reads the cache as it is stored, half the bytes of fp32
     copies. ``mask`` bool [B, 1, T, S] (True = attend) or None.
 
-    Decode attention is memory-bound; measured here (Xeon with AMX, one thread, per layer, one
-    query): 27 against fp32 ``attend``'s 53 us at 300 keys, 71 / 125 at 1,000, 145 / 296 at 2,000.
-    (``attend``'s batched matmuls in bf16 were slower than in fp32: batch-8 decode 78 vs 99 tok/s.)"""
+    Decode attention is memory-bound, so reading half the bytes roughly halves it on a CPU whose
+    SDPA kernel is fast for one query (Xeon with AMX: docs/results-engine.md has the timings)."""
     B, T, H, D = q.shape
     out = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask,
                                          enable_gqa=H != k.shape[1])
@@ -225,9 +224,8 @@ def bf16_decode_sdpa(keys: int) -> bool:
     It depends on the CPU: on a Xeon with AMX SDPA's decode was the faster (``sdpa_attend``); on an
     AMD EPYC Zen 4 (``avx512_bf16``, no AMX) SDPA's one-query kernel costs ~0.6 us per key and row
     against ``attend``'s ~0.03 on top of ~90 us (2 threads, per layer: 165 vs 107 us for one row
-    of 256 keys, 1,201 vs 207 for 8 rows), so past ~100 keys ``attend`` is the faster. (A batch's
-    verify forwards through ``attend`` too were faster alone, 0.33-0.55 of SDPA's time for 8 rows of
-    2-16 tokens, but slower in serving: hvd over HTTP at concurrency 8 went 72.5 -> 63.3 tok/s.)"""
+    of 256 keys, 1,201 vs 207 for 8 rows), so past ~100 keys ``attend`` is the faster. Verify forwards keep
+    SDPA: through ``attend`` they were faster alone but slower in serving (docs/results-engine.md)."""
     choice = os.environ.get("HVD_BF16_ATTENTION", "auto")
     if choice not in ("auto", "sdpa", "attend"):
         raise ValueError(f"HVD_BF16_ATTENTION must be auto, sdpa or attend, got {choice!r}")
