@@ -6,7 +6,7 @@ up to its longest prefix (chain) or root path (tree) matching the true continuat
 accepted tokens plus one bonus token are appended. Requests run one after another (A then B per
 request, so machine noise hits both alike) and outputs stay in each drafter's global cache.
 
-    .venv/bin/python benchmarks/suffix_vs_arctic.py --tokens 100000 \
+    .venv/bin/python jobs/suffix_vs_arctic.py --tokens 100000 \
         --out benchmarks/suffix_vs_arctic.md
 
 arctic-inference is optional (``pip install -e .[bench]``; see the .md for how it was built).
@@ -317,7 +317,7 @@ def report(rows, agree, tok, arctic_err, args) -> str:
         "Produced by:",
         "",
         "```",
-        f".venv/bin/python benchmarks/suffix_vs_arctic.py --tokens {args.tokens}"
+        f".venv/bin/python jobs/suffix_vs_arctic.py --tokens {args.tokens}"
         + (" --no-tree" if args.no_tree else "") + " --out benchmarks/suffix_vs_arctic.md",
         "```",
         "",
