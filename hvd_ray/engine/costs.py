@@ -46,7 +46,7 @@ class StepCosts:
     ``rows[B]`` is what each further row of a ``B``-row batch adds besides its tokens (its attention
     over its own context, its K/V reads, its share of the step's bookkeeping), learned per batch size
     from the engine's own batched steps (``observe``): the table, timed on one short sequence, prices
-    a plain 8-row step at ~1.4 one-token forwards where it takes ~2.4 on this CPU, and so rated every
+    a plain 8-row step at ~1.4 one-token forwards where it took ~2.4 on a 2-core CPU, and so rated every
     extra verified token at nearly twice its real share of a step. It is learned per batch size
     because it grows with it (here ~0 per row at 2 rows, ~0.14 at 8): one average over all sizes,
     pulled down by the small batches of a draining queue, priced batch 8 at 1.46. A batch size not
@@ -242,10 +242,9 @@ class SpeculationCheck:
     cache's where both decoded the same tokens per second.) Plain is preferred only when it
     measures ``margin`` faster than the best drafted arm: at batch 8 here a drafted arm's rate moves
     by about that from one step to the next, and a close call costs little either way. The second
-    drafted arm must measure ``switch`` faster than the first (the cache's: in every run under load
-    here it decoded faster than the policy's choices, and each policy step it took on noise cost
-    more than its share: at concurrency 8 and 16 here its steps measured within 10-15 % of the
-    cache's from one stretch to the next, while over whole runs it was 4-40 % slower)."""
+    drafted arm must measure ``switch`` faster than the first (the cache's: under load on the CPUs
+    measured it decoded faster than the policy's choices, and a policy step taken on noise cost
+    more than its share; docs/results-http.md)."""
 
     def __init__(self, explore_plain: int = 64, explore_drafts: int = 16, adapt: float = 0.03, min_steps: int = 3,
                  margin: float = 0.1, switch: float = 0.15, arms: Sequence[str] = ARMS,

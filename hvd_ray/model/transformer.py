@@ -141,12 +141,11 @@ def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype, fp
     copy neither follows later updates nor carries gradients. Returns whether it packed.
 
     The fp32 copy of bf16 weights (``Packed.upcast``) is for AVX2-only CPUs, where torch's bf16
-    matmul costs the same per row however many rows it has (a 16-token forward of the default model
-    8.8x a 1-token one, prefill ~7 s per 1,000 tokens): verifying a draft would cost as much as
-    decoding it. Through the fp32 copy a 16-token forward costs 2.8x a 1-token one; one-row
-    inputs (batch-1 decode, drafting) keep the bf16 weights, which read half the bytes (54 vs 74
-    ms a token there). bf16 weights upcast exactly; results round to bf16 as before. Memory: twice
-    the bf16 weights again."""
+    matmul costs the same per row however many rows it has, so verifying a draft would cost as
+    much as decoding it; through the fp32 copy a multi-token forward costs a fraction of that.
+    One-row inputs (batch-1 decode, drafting) keep the bf16 weights, which read half the bytes.
+    bf16 weights upcast exactly; results round to bf16 as before. Memory: twice the bf16 weights
+    again. Measured costs: docs/results-engine.md."""
     cpu = device.type == "cpu" and torch.backends.mkldnn.is_available()
     native = cpu and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     upcast = fp32 and cpu and dtype == torch.bfloat16 and not native and bf16_upcast_enabled()
@@ -559,8 +558,8 @@ class Transformer(nn.Module):
         (``avx512_bf16``, AMX), where it is fp32: attention there runs ``attend``'s matmuls in the
         cache dtype, and CPU bf16 batched matmuls measured about 2x slower than fp32 ones (bf16
         values are stored exactly either way). A bf16 cache on CPU attends with SDPA's kernel
-        (``sdpa_attend``; decode forwards where ``attend`` is faster take that, ``bf16_decode_sdpa``):
-        on a Xeon with AMX batch-8 decode 1.17x as fast, batch 1 after 4,000 tokens 1.24x.
+        (``sdpa_attend``; decode forwards where ``attend`` is faster take that, ``bf16_decode_sdpa``),
+        which reads half the bytes of an fp32 cache (gains measured: docs/results-engine.md).
         """
         if max_len > self.cfg.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's context ({self.cfg.max_position})")
@@ -697,12 +696,11 @@ class Transformer(nn.Module):
         """Give every Linear a oneDNN-prepacked copy of its weight (CPU: bf16 where the CPU has
         bf16 instructions, and fp32).
 
-        Decode on CPU is memory-bound; the blocked layout streams ~35% faster than a plain
-        row-major GEMV (bf16, measured: 7.5 vs 11.5 ms for all SmolLM2 matmuls per token) and
-        gives bit-identical bf16 results. In fp32 on an AVX2-only AMD EPYC it makes the 1-token
-        forward 37% faster and, above all, a 2-token one 1.24x a 1-token one instead of 1.66x
-        (BLAS switches from a matrix-vector to a matrix-matrix path at 2 rows): verifying a draft
-        costs what SpecDec assumes. Each row's result is bit-identical whatever the number of
+        Decode on CPU is memory-bound; the blocked layout streams faster than a plain row-major
+        GEMV and gives bit-identical bf16 results. Above all, plain BLAS switches from a
+        matrix-vector to a matrix-matrix path at 2 rows, which made a 2-token forward cost far
+        more than a 1-token one; prepacked, verifying a draft costs what speculative decoding
+        assumes (measured: docs/results-engine.md). Each row's result is bit-identical whatever the number of
         rows, so speculative fp32 output stays token-identical to plain greedy; against other
         engines' fp32 it differs in the last bits (accumulation order). Call again after changing
         weights (e.g. sharding).
