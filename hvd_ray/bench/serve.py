@@ -148,8 +148,8 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
     """Every server in ``args.servers`` (``drafter[:suffix_actor_mode]``) as its own Serve
     application in one Ray, measured level by level in turn: at each concurrency every server runs
     the level's requests while the others idle, in an order that alternates from level to level.
-    This box's speed drifts by 30 % within minutes (docs/benchmarks.md); servers run one after
-    another as whole jobs saw different machines, side by side they see the same one.
+    A shared box's speed drifts within minutes (docs/results-http.md); servers run one after
+    another as whole jobs would see different machines, side by side they see the same one.
 
     Writes ``args.http_out`` when every server ran. Returns (server, markdown) pairs."""
     from concurrent.futures import ThreadPoolExecutor
