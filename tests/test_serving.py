@@ -658,3 +658,21 @@ def test_config_and_builder():
     assert conf["applications"][0]["import_path"] == "serve_app:app"
     cfg = ServingConfig.model_validate(conf["applications"][0]["args"])
     assert cfg.autoscaling_config["max_replicas"] >= cfg.autoscaling_config["min_replicas"] >= 1
+
+
+def test_config_says_where_the_retired_vllm_backend_went():
+    """``backend: vllm`` and its ``vllm_*`` fields are gone from the app: a config still carrying one
+    is refused with where vLLM serving moved (vLLM's own server with the plug-in, Ray Serve LLM), not
+    with pydantic's generic "extra inputs"."""
+    from pydantic import ValidationError
+
+    from hvd_ray.serving import ServingConfig
+
+    for old in ({"backend": "vllm", "vllm_python": "/x/bin/python"}, {"backend": "hvd"},
+                {"vllm_draft_tokens": 16, "vllm_engine_args": {}}):
+        with pytest.raises(ValidationError) as e:
+            ServingConfig.model_validate({"max_batch": 2, **old})
+        msg = str(e.value)
+        assert "`backend: vllm` was removed" in msg and f"this config sets {', '.join(old)}" in msg, msg
+        assert "vllm.entrypoints.openai.api_server" in msg and "configs/serve_llm_hvd.yaml" in msg, msg
+        assert "docs/vllm.md" in msg and "Extra inputs" not in msg, msg

@@ -3,7 +3,6 @@
     python -m hvd_ray.serving                          # default model, HVD (suffix + EAGLE-3, cost policy), bf16, :8000
     python -m hvd_ray.serving --config config.yaml     # args (and http_options) from a Serve config
     python -m hvd_ray.serving --drafter none --dtype float32 --port 8001 --api-key sk-local
-    python -m hvd_ray.serving --backend vllm --vllm-python VENV/bin/python   # vLLM's engine + HvdProposer
 
 Flags override the config file. An API key (``--api-key``, a config file's ``api_key``, or the env
 ``HVD_RAY_API_KEY``) reaches the ingress through this process's environment, which the local Ray
@@ -33,8 +32,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds in-flight requests may take to finish on SIGTERM / Ctrl-C (default 60)")
     for flag, kind in [("model", str), ("drafter", str), ("dtype", str), ("device", str), ("max-batch", int),
                        ("max-model-len", int), ("max-tokens", int), ("api-key", str), ("torch-threads", int),
-                       ("served-model-name", str), ("num-replicas", int), ("policy", str), ("model-drafter", str),
-                       ("backend", str), ("vllm-python", str), ("vllm-method", str)]:
+                       ("served-model-name", str), ("num-replicas", int), ("policy", str), ("model-drafter", str)]:
         p.add_argument(f"--{flag}", type=kind, default=None)
     return p.parse_args(argv)
 
@@ -60,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args, http = _from_file(a.config) if a.config else ({}, {})
     for key in ("model", "drafter", "dtype", "device", "max_batch", "max_model_len", "max_tokens", "api_key",
                 "torch_threads", "served_model_name", "num_replicas", "policy", "model_drafter",
-                "graceful_shutdown_timeout_s", "backend", "vllm_python", "vllm_method"):
+                "graceful_shutdown_timeout_s"):
         if getattr(a, key) is not None:
             args[key] = getattr(a, key)
     if a.num_replicas is not None:

@@ -4,8 +4,7 @@ Serve calls an *application builder* with the ``args`` of a config file (``serve
 or the ``key=value`` pairs of ``serve run serve_app:app key=value``; ``serve_app.app`` is this
 builder. Deployment options (replicas, autoscaling, resources) come from the same args, so one
 file describes the whole application; a ``deployments:`` section in a Serve config file still
-overrides them, as usual in Serve. ``backend: vllm`` puts vLLM's engine (with hvd-ray's proposer)
-behind the same ingress (``vllm_replica.VllmReplica`` instead of ``replica.ModelReplica``).
+overrides them, as usual in Serve.
 """
 
 from __future__ import annotations
@@ -21,11 +20,7 @@ from .config import ServingConfig
 def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application:
     cfg = args if isinstance(args, ServingConfig) else ServingConfig.model_validate(dict(args or {}))
     from .ingress import OpenAIIngress
-
-    if cfg.backend == "vllm":  # vLLM's engine with an hvd-ray proposer (vllm_replica.py)
-        from .vllm_replica import VllmReplica as Replica
-    else:
-        from .replica import ModelReplica as Replica
+    from .replica import ModelReplica
 
     conf = cfg.model_dump()
     actor = dict(cfg.ray_actor_options)
@@ -42,7 +37,7 @@ def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application
         opts["autoscaling_config"] = auto
     else:
         opts["num_replicas"] = cfg.num_replicas or 1
-    replica = Replica.options(**opts).bind(conf)
+    replica = ModelReplica.options(**opts).bind(conf)
     ingress = OpenAIIngress.options(
         ray_actor_options=dict(cfg.ingress_ray_actor_options), num_replicas=cfg.ingress_num_replicas,
         max_ongoing_requests=cfg.ingress_max_ongoing_requests, max_queued_requests=cfg.ingress_max_queued_requests,

@@ -24,40 +24,17 @@ def _spec(name: str, default: Any = ..., **constraints: Any) -> Any:
     return Field(f.default if default is ... else default, description=f.metadata["help"], **constraints)
 
 
-# What backend "vllm" runs as vLLM's speculative method (``vllm_method``): hvd-ray's proposers
-# (hvd_ray/vllm, loaded by vLLM from the class name), vLLM's own suffix method, or none.
-VLLM_METHODS: dict[str, dict | None] = {
-    "hvd": {"method": "custom_class", "model": "hvd_ray.vllm.HvdProposer"},
-    "hvd-static": {"method": "custom_class", "model": "hvd_ray.vllm.HvdStaticProposer"},
-    "hvd-suffix": {"method": "custom_class", "model": "hvd_ray.vllm.SuffixProposer"},
-    "suffix": {"method": "suffix"},
-    "none": None,
-}
-# vLLM engine arguments the serving config sets itself (the field to use instead)
-VLLM_OWN_ARGS = {"model": "model", "tokenizer": "model", "dtype": "dtype", "max_num_seqs": "max_batch",
-                 "max_model_len": "max_model_len", "speculative_config": "vllm_method / vllm_draft_tokens",
-                 "worker_extension_cls": None, "tensor_parallel_size": "tensor_parallel_size (1)"}
-# fields of hvd-ray's own engine, which the vLLM backend cannot honour
-HVD_ONLY = ("drafter", "num_draft_tokens", "cache_draft_tokens", "draft_model", "eagle3_head", "layerskip", "policy",
-            "model_drafter", "predictor", "slim", "slim_mode", "suffix_actor", "suffix_actor_mode", "suffix_history",
-            "suffix_actor_name", "tp_ray_actor_options", "prefix_reuse", "reuse_slots")
+# Where the retired vLLM backend of this app (``backend: vllm`` and its ``vllm_*`` fields) moved: a
+# config that still sets ``backend`` or a ``vllm_*`` key is refused with this, not with pydantic's
+# generic "extra inputs are not permitted" (no field of this model starts with ``vllm_``).
+VLLM_MOVED = ("to serve with vLLM, run vLLM's own OpenAI server with hvd-ray's plug-in (`python -m "
+              "vllm.entrypoints.openai.api_server --model M --enforce-eager --speculative-config "
+              "'{\"method\": \"hvd\", \"num_speculative_tokens\": 32}'`) or Ray Serve LLM "
+              "(`serve run configs/serve_llm_hvd.yaml`): docs/vllm.md")
 
 
 class ServingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    # --- which engine the model replicas run
-    backend: str = Field("hvd", pattern="^(hvd|vllm)$",
-                         description="hvd: hvd-ray's engine (ModelReplica) | vllm: vLLM's engine with an hvd-ray "
-                         "proposer, in a child process of a vLLM interpreter (VllmReplica)")
-    vllm_python: str | None = Field(None, description="backend vllm: the python of an environment with vLLM "
-                                    "(default: the env HVD_VLLM_PYTHON, else this interpreter if it has vllm)")
-    vllm_method: str = Field("hvd", description="backend vllm: the speculative method: "
-                             + " | ".join(VLLM_METHODS) + " (hvd: hvd_ray.vllm.HvdProposer; suffix: vLLM's own)")
-    vllm_draft_tokens: int = Field(32, ge=1, le=128, description="backend vllm: num_speculative_tokens, the "
-                                   "longest draft")
-    vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="backend vllm: more vLLM "
-                                             "EngineArgs (e.g. gpu_memory_utilization, enforce_eager)")
 
     # --- what is served
     model: str = Field("default", description="'default' or a local HF Llama/Qwen2/Qwen3 safetensors folder")
@@ -142,6 +119,17 @@ class ServingConfig(BaseModel):
     graceful_shutdown_timeout_s: float = Field(60.0, ge=0, description="on shutdown (SIGTERM, serve delete, "
                                                "scale-down) a replica waits this long for requests in flight")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_vllm_backend(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            gone = [k for k in data if k == "backend" or isinstance(k, str) and k.startswith("vllm_")]
+            if gone:
+                raise ValueError(f"`backend: vllm` was removed, with backend and the vllm_* fields (this config "
+                                 f"sets {', '.join(gone)}): this app runs hvd-ray's own engine, so drop them; "
+                                 + VLLM_MOVED)
+        return data
+
     @field_validator("drafter")
     @classmethod
     def _known_drafter(cls, v: str) -> str:
@@ -180,12 +168,6 @@ class ServingConfig(BaseModel):
             raise ValueError("set either num_replicas or autoscaling_config, not both")
         if self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})")
-        if self.backend == "vllm":
-            return self._vllm_consistent()
-        changed = [n for n in type(self).model_fields if n.startswith("vllm_") and self._changed(n)]
-        if changed:
-            raise ValueError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} for backend: vllm only "
-                             "(this config's backend is hvd)")
         if self.drafter == "draft-model" and not self.draft_model:
             raise ValueError("drafter 'draft-model' needs draft_model (a folder sharing the tokenizer)")
         if self.drafter == "hvd" and self.model_drafter not in DRAFTERS or self.model_drafter == "suffix":
@@ -195,55 +177,6 @@ class ServingConfig(BaseModel):
             raise ValueError("the shipped EAGLE-3 head fits the default model only: set eagle3_head, or "
                              "model_drafter: layerskip, or drafter: suffix")
         return self
-
-    def _changed(self, name: str) -> bool:
-        """Whether a field differs from its default (not "was given": a replica re-validates the
-        whole dumped config, where every field is given)."""
-        f = type(self).model_fields[name]
-        return getattr(self, name) != f.get_default(call_default_factory=True)
-
-    def _vllm_consistent(self) -> "ServingConfig":
-        ours = [n for n in HVD_ONLY if self._changed(n)]
-        if ours:
-            raise ValueError(f"backend vllm cannot honour {', '.join(ours)}: these configure hvd-ray's own engine; "
-                             "vLLM's speculative method is vllm_method ("
-                             + " | ".join(VLLM_METHODS) + ") with vllm_draft_tokens")
-        if self.vllm_method not in VLLM_METHODS:
-            raise ValueError(f"unknown vllm_method {self.vllm_method!r}; choose from {', '.join(VLLM_METHODS)}")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("backend vllm serves on one device per replica here (tensor_parallel_size 1); "
-                             "scale with num_replicas / autoscaling_config")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"backend vllm takes device cpu or cuda, not {self.device!r} (Ray assigns the GPU: "
-                             "CUDA_VISIBLE_DEVICES)")
-        own = sorted(set(self.vllm_engine_args) & set(VLLM_OWN_ARGS))
-        if own:
-            use = "; ".join(f"{k}: set {VLLM_OWN_ARGS[k]}" if VLLM_OWN_ARGS[k] else f"{k}: set by hvd-ray"
-                            for k in own)
-            raise ValueError(f"vllm_engine_args may not set what the serving config sets ({use})")
-        return self
-
-    def vllm_speculative_config(self) -> dict | None:
-        """vLLM's ``speculative_config`` for ``vllm_method`` (None: plain decoding)."""
-        spec = VLLM_METHODS[self.vllm_method]
-        return None if spec is None else {**spec, "num_speculative_tokens": self.vllm_draft_tokens}
-
-    def resolved_vllm_python(self) -> str:
-        """The vLLM interpreter, in the process that asks (the replica): ``vllm_python``, else the env
-        ``HVD_VLLM_PYTHON``, else this interpreter if it can import vllm."""
-        import importlib.util
-        import sys
-
-        python = self.vllm_python or os.environ.get("HVD_VLLM_PYTHON")
-        if not python and importlib.util.find_spec("vllm") is not None:
-            python = sys.executable
-        if not python:
-            raise ValueError("backend vllm needs an interpreter with vLLM: set vllm_python (or the env "
-                             "HVD_VLLM_PYTHON) to a virtualenv's python that has vllm, or install vllm here "
-                             "(`pip install 'hvd-ray[vllm]'`)")
-        if not Path(python).is_file():
-            raise ValueError(f"vllm_python {python} does not exist on this node")
-        return python
 
     def engine_spec(self) -> EngineSpec:
         """What the replica's engine decodes with (``hvd_ray.build``), from this config's fields."""

@@ -12,8 +12,7 @@ final ``finish`` event. Errors are events rather than exceptions so their status
 the handle intact.
 
 The request path around the loop (tokenising, validation, params, stop strings, streaming,
-metrics) is ``ReplicaFront``'s, shared with the vLLM-backed replica (``vllm_replica.py``), whose
-loop is a vLLM child process with the same interface.
+metrics) is ``ReplicaFront``'s.
 
 Failures: a request the engine fails alone (its drafting, sampling or verification raised) gets a
 500 error event and the loop goes on. If the loop itself fails (the shared target forward raised,
@@ -267,7 +266,7 @@ class ReplicaFront:
     ``tok``, ``loop`` (``submit`` / ``abort`` / ``shutdown``, ``error``, ``_thread``), ``metrics``,
     ``max_len`` (context per request), ``reserved`` (tokens a request must leave free past its
     output: the engine's draft room) and ``vocab_size``; :class:`ModelReplica` runs hvd-ray's
-    engine, ``vllm_replica.VllmReplica`` vLLM's."""
+    engine."""
 
     cfg: ServingConfig
     loop: Any

