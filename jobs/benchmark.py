@@ -11,6 +11,8 @@ Modes:
   http    the Ray Serve app over HTTP at concurrency 1 and 8: requests/s, tokens/s, latency, TTFT
   vllm    HVD's cache side inside vLLM (hvd_ray.vllm) vs vLLM's greedy and suffix decoding, in the vLLM
           interpreter: target forwards, tokens per forward, tok/s (hvd_ray/bench/vllm_bench.py)
+  vllm-serve  vLLM's own OpenAI server (none, suffix, eagle3, the plug-in's hvd) under vLLM's own load
+          client at each --concurrency (hvd_ray/bench/vllm_load.py; workload default: agent)
 
     python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
@@ -18,6 +20,7 @@ Modes:
     python jobs/benchmark.py batch --drafters hvd-cost --concurrency 8 [--dtype float32] [--threads 1]
     python jobs/benchmark.py http [--quick] [--servers none hvd:mirror hvd:remote]
     python jobs/benchmark.py vllm --vllm-python VENV/bin/python [--workloads function_calling code] [--prompts 4]
+    python jobs/benchmark.py vllm-serve --vllm-python VENV/bin/python --concurrency 1 4 8 --max-prompt-tokens 4096
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from hvd_ray.bench.report import add_args, build_report  # noqa: E402
 from hvd_ray.bench.serve import bench_http_servers  # noqa: E402
 from hvd_ray.bench.spec import bench_spec  # noqa: E402
 from hvd_ray.bench.vllm_bench import bench_vllm  # noqa: E402
+from hvd_ray.bench.vllm_load import bench_vllm_serve  # noqa: E402
 from hvd_ray.build import add_spec_arguments  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -48,7 +52,8 @@ WORKLOADS = ("function_calling", "code", "code_edit", "chat")  # multi-turn BFCL
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "batch", "http", "vllm"])
+    ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "batch", "http", "vllm",
+                                                                     "vllm-serve"])
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
     add_spec_arguments(ap, only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens", "prefix_reuse",
@@ -105,16 +110,17 @@ def main() -> None:
                                              args.workloads or ())
     except (OSError, ValueError) as e:
         ap.error(f"--prompt-file: {e}")
-    default_workloads = ["function_calling", "code"] if args.mode == "vllm" else list(WORKLOADS)
+    default_workloads = {"vllm": ["function_calling", "code"], "vllm-serve": ["agent"]}.get(args.mode, list(WORKLOADS))
     args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else default_workloads)
-    args.max_tokens = args.max_tokens or (32 if args.quick else (64 if args.mode == "engine" else 128))
+    args.max_tokens = args.max_tokens or (32 if args.quick else {"engine": 64, "vllm-serve": 96}.get(args.mode, 128))
     args.reps = args.reps or (2 if args.quick else 3)
     if args.mode == "http":
         args.http_out = args.out or BENCHMARKS / "http.md"
         bench_http_servers(args)
         return
-    report = {"engine": bench_engine, "spec": bench_spec, "vllm": bench_vllm, "batch": bench_batch}[args.mode](args)
-    write(report, Path(args.out or BENCHMARKS / f"{args.mode}.md"))
+    report = {"engine": bench_engine, "spec": bench_spec, "vllm": bench_vllm, "batch": bench_batch,
+              "vllm-serve": bench_vllm_serve}[args.mode](args)
+    write(report, Path(args.out or BENCHMARKS / f"{args.mode.replace('-', '_')}.md"))
 
 
 def write(report: str, out: Path) -> None:

@@ -7,13 +7,19 @@ from pathlib import Path
 from typing import Sequence
 
 from ..workloads import load_user_prompts, load_workload, render
+from ..workloads.agent import agent_prompts
+
+# workloads built here from the packaged ones (not dataset workloads of their own)
+BUILT = {"agent": agent_prompts}
 
 
 def prompt_ids(tok, workloads, per_workload: int, max_prompt_tokens: int, split: str | None = "test",
                extra: Sequence[tuple[str, list]] = ()) -> list[tuple[str, str, list[int]]]:
-    """(workload, prompt id, token ids) for held-out prompts, skipping ones longer than the budget.
+    """(workload, prompt id, token ids) for held-out prompts, skipping ones longer than the budget;
+    a workload may also be one of ``BUILT`` (``agent``: tool schemas shared by every prompt).
     ``extra``: more (label, prompts) workloads, e.g. ``user_workloads``' user prompt files."""
-    sources = [(w, load_workload(w, split=split)) for w in workloads] + list(extra)
+    sources = [(w, BUILT[w](split) if w in BUILT else load_workload(w, split=split)) for w in workloads]
+    sources += list(extra)
     out = []
     for w, prompts in sources:
         taken = 0
