@@ -1,4 +1,4 @@
-"""vLLM's own OpenAI server with hvd-ray's plug-in (``hvd_ray/vllm/server.py``), as a vLLM user runs
+"""vLLM's own OpenAI server with hvd-ray's plug-in (``hvd_ray/bench/vllm_server.py``), as a vLLM user runs
 it: the agent API (tools, JSON schema, logprobs) answers as it does without speculation."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_vllm_serve_with_the_plugin_answers_agents_as_without_speculation(tmp_pa
     import requests
     from conftest import free_port
 
-    from hvd_ray.vllm.server import VllmServer
+    from hvd_ray.bench.vllm_server import VllmServer
 
     spec = {"method": "hvd", "num_speculative_tokens": 32}
     servers = [VllmServer(VLLM_PYTHON, str(default_folder), free_port(), s, log=str(tmp_path / f"{name}.log"),

@@ -59,7 +59,7 @@ def bench_vllm_serve(args) -> str:
     from transformers import AutoTokenizer
 
     from ..model import resolve
-    from ..vllm.server import VllmServer
+    from .vllm_server import VllmServer
 
     if not args.vllm_python:
         raise SystemExit("vllm-serve mode needs --vllm-python (make vllm-env)")
