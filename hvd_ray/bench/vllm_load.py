@@ -88,12 +88,18 @@ def bench_vllm_serve(args) -> str:
     t_job = time.perf_counter()
     for name in names:
         t0 = time.perf_counter()
-        with VllmServer(args.vllm_python, model, free_port(), SERVERS[name], dtype=args.dtype,
+        with VllmServer(args.vllm_python, model, free_port(), SERVERS[name], dtype=args.dtype, count=True,
                         max_model_len=4096, threads=args.threads, log=str(work / f"{name}.log")) as srv:
             started[name] = time.perf_counter() - t0
             for c in levels:
                 path, n = data[c]
+                before = srv.rpc("hvd_stats")[0]
                 res = client(args.vllm_python, srv.url, model, path, c, n, args.max_tokens, work / f"{name}-c{c}.json")
+                after = srv.rpc("hvd_stats")[0]
+                res["forwards"] = after["forwards"] - before["forwards"]
+                rows_by = {k: v - (before.get("proposer") or {}).get("rows", {}).get(k, 0)
+                           for k, v in (after.get("proposer") or {}).get("rows", {}).items()}
+                res["rows"] = rows_by
                 rows.append((name, c, n, res))
                 print(f"[vllm-serve] {name} c={c}: {res['output_throughput']:.1f} tok/s", flush=True)
     base = {c: r["output_throughput"] for name, c, _, r in rows if name == names[0]}
@@ -115,15 +121,22 @@ def bench_vllm_serve(args) -> str:
         "",
         f"out tok/s = output tokens / wall time of the level; x = over `{names[0]}` at the same c; TPOT = mean "
         "time per output token after the first; TTFT = mean time to first token; accept len = vLLM's mean "
-        "acceptance length (tokens per verify step of a request with a draft; none: no speculation).",
+        "acceptance length (tokens per verify step of a request with a draft; none: no speculation); forwards = "
+        "the engine's target forwards in the level (hvd-ray's worker extension, prefills included); tok/fwd = "
+        "output tokens / forwards (all rows of a forward together); rows = the plug-in's decoding rows by the "
+        "source they verified next (cache / model / none).",
         "",
-        "| server | c | prompts | out tok/s | x | mean TPOT ms | mean TTFT ms | accept len |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| server | c | prompts | out tok/s | x | mean TPOT ms | mean TTFT ms | accept len | forwards | tok/fwd "
+        "| rows cache / model / none |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, c, n, r in rows:
         acc = r.get("spec_decode_acceptance_length")
+        by = r.get("rows") or {}
         lines.append(f"| {name} | {c} | {n} | {r['output_throughput']:.1f} | {r['output_throughput'] / base[c]:.2f}x | "
-                     f"{r['mean_tpot_ms']:.0f} | {r['mean_ttft_ms']:.0f} | {f'{acc:.2f}' if acc else '-'} |")
+                     f"{r['mean_tpot_ms']:.0f} | {r['mean_ttft_ms']:.0f} | {f'{acc:.2f}' if acc else '-'} | "
+                     f"{r['forwards']} | {r['total_output_tokens'] / max(r['forwards'], 1):.2f} | "
+                     + (f"{by.get('cache', 0)} / {by.get('model', 0)} / {by.get('none', 0)}" if by else "-") + " |")
     return "\n".join(lines) + "\n"
 
 

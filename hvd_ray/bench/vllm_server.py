@@ -61,12 +61,17 @@ class VllmServer:
     whole process group (the API server, the engine core and its worker)."""
 
     def __init__(self, python: str, model: str, port: int, spec: dict | None = None, log: str | None = None,
-                 threads: int | None = None, **kw) -> None:
+                 threads: int | None = None, count: bool = False, **kw) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = Path(log) if log else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
+        child = env(python, threads)
+        if count:  # hvd-ray's worker extension, read through vLLM's development route /collective_rpc
+            kw["extra"] = (*kw.get("extra", ()), "--worker-extension-cls", "hvd_ray.vllm.HvdWorkerExtension")
+            child["VLLM_SERVER_DEV_MODE"] = "1"
+        self.count = count
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(command(python, model, port, spec, **kw), stdout=f,
-                                         stderr=subprocess.STDOUT, env=env(python, threads), start_new_session=True)
+                                         stderr=subprocess.STDOUT, env=child, start_new_session=True)
 
     def wait(self, timeout: float = 600) -> VllmServer:
         """Block until ``/health`` answers 200; raise with the log's tail if the server exits or is late."""
@@ -77,12 +82,23 @@ class VllmServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
+                        if self.count:
+                            self.rpc("hvd_count_forwards")
                         return self
             except OSError:
                 pass
             time.sleep(1)
         self.stop()
         raise TimeoutError(f"vLLM's server did not answer /health within {timeout:.0f} s:\n{self.tail()}")
+
+    def rpc(self, method: str) -> list:
+        """Call ``method`` on every worker (hvd-ray's worker extension: ``hvd_count_forwards``,
+        ``hvd_stats``); needs ``count=True``."""
+        req = urllib.request.Request(self.url + "/collective_rpc", data=json.dumps({"method": method}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            body = r.read()
+        return json.loads(body)["results"] if body else []
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
