@@ -11,7 +11,10 @@ from .peers import VLLM_HVD_METHODS, VLLM_METHODS, run_vllm_job
 from .prompts import prompt_ids
 
 # the plug-in's method (hvd_ray/vllm/plugin.py): the cache, the shipped EAGLE-3 head and the cost policy
-PLUGIN_METHODS = {"vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32}}
+# (``static``: priced with the GPU-like cost table, where a wider verify forward costs little: the drafts
+# the policy would verify on a GPU, so its tokens per forward are the hardware-independent figure)
+PLUGIN_METHODS = {"vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32},
+                  "vllm-hvd-plugin-static": {"method": "hvd", "num_speculative_tokens": 32, "hvd_policy": "static"}}
 PLUGIN = "hvd_ray.vllm.plugin:register"  # its entry point (pyproject.toml), called by vllm_peer.py
 METHODS = {**VLLM_METHODS, "vllm-eagle3": {**VLLM_METHODS["vllm-eagle3"], "model": str(EAGLE3_ASSET)},
            **VLLM_HVD_METHODS, **PLUGIN_METHODS}
