@@ -102,12 +102,14 @@ def bench_vllm_serve(args) -> str:
                 res["rows"] = rows_by
                 rows.append((name, c, n, res))
                 print(f"[vllm-serve] {name} c={c}: {res['output_throughput']:.1f} tok/s", flush=True)
+    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True).stdout.strip() or "?"
     base = {c: r["output_throughput"] for name, c, _, r in rows if name == names[0]}
     lines = [
         f"# vLLM's OpenAI server under load: no speculation, suffix, EAGLE-3 and hvd-ray's plug-in ({workload})",
         "",
         f"Command: `{command('jobs/benchmark.py')}`  ",
-        f"Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_name()}; {versions()}  ",
+        f"Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_name()}; {versions().split(', ray ')[0]}; vLLM {version} (its own interpreter)  ",
         f"Machine: {machine_line()}; vLLM interpreter `{args.vllm_python}`, {args.threads} OpenMP threads per server  ",
         f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, {args.max_tokens} output tokens per request "
         f"(`--ignore-eos`); client: vLLM's `vllm bench serve` (`vllm.benchmarks.serve`, backend `openai`, the "
