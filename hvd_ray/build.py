@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -84,7 +85,7 @@ def spec_from_args(args: argparse.Namespace, **overrides: Any) -> EngineSpec:
 
 
 def build_engine(spec: EngineSpec, model, tokenizer, *, suffix_cache=None, drafters: Sequence | None = None,
-                 policy=None, slim_tier=None) -> "Engine":
+                 policy=None, slim_tier=None) -> Engine:
     """The Engine ``spec`` describes over ``model`` (``tokenizer``: its EOS and detokenizer; None
     for a weights-only model).
 

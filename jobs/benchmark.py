@@ -33,18 +33,18 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from hvd_ray.bench.batch import bench_batch  # noqa: E402
-from hvd_ray.bench.engine_speed import bench_engine  # noqa: E402
-from hvd_ray.bench.machine import DTYPE_NAMES  # noqa: E402
-from hvd_ray.bench.prompts import user_workloads  # noqa: E402
-from hvd_ray.bench.report import add_args, build_report  # noqa: E402
-from hvd_ray.bench.serve import bench_http_servers  # noqa: E402
-from hvd_ray.bench.spec import bench_spec  # noqa: E402
-from hvd_ray.bench.vllm_bench import bench_vllm  # noqa: E402
-from hvd_ray.bench.vllm_load import bench_vllm_serve  # noqa: E402
-from hvd_ray.build import add_spec_arguments  # noqa: E402
+from hvd_ray.bench.batch import bench_batch
+from hvd_ray.bench.engine_speed import bench_engine
+from hvd_ray.bench.machine import DTYPE_NAMES
+from hvd_ray.bench.prompts import user_workloads
+from hvd_ray.bench.report import add_args, build_report
+from hvd_ray.bench.serve import bench_http_servers
+from hvd_ray.bench.spec import bench_spec
+from hvd_ray.bench.vllm_bench import bench_vllm
+from hvd_ray.bench.vllm_load import bench_vllm_serve
+from hvd_ray.build import add_spec_arguments
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 WORKLOADS = ("function_calling", "code", "code_edit", "chat")  # multi-turn BFCL prompts are 4-5k tokens

@@ -50,10 +50,21 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from hvd_ray.traces.collect import (  # noqa: E402
-    _ENGINE_HEADROOM, BACKENDS, CollectError, TraceActor, TraceWriter, canonical_dtype, eos_token_ids,
-    model_context, model_revision, plan, prepare_prompts, read_traces)
-from hvd_ray.workloads import TRAINING_POOLS, WORKLOADS  # noqa: E402
+from hvd_ray.traces.collect import (
+    _ENGINE_HEADROOM,
+    BACKENDS,
+    CollectError,
+    TraceActor,
+    TraceWriter,
+    canonical_dtype,
+    eos_token_ids,
+    model_context,
+    model_revision,
+    plan,
+    prepare_prompts,
+    read_traces,
+)
+from hvd_ray.workloads import TRAINING_POOLS, WORKLOADS
 
 WORKLOAD_CHOICES = (*WORKLOADS, "all", *TRAINING_POOLS)  # bfcl_chat: BFCL questions asked as chat
 

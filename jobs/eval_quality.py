@@ -23,18 +23,18 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from hvd_ray.bench.interleave import prefix_agreement  # noqa: E402
-from hvd_ray.bench.machine import machine_line  # noqa: E402
-from hvd_ray.bench.prompts import prompt_ids  # noqa: E402
-from hvd_ray.bench.scoring import bfcl_match, extract_code, parse_tool_calls, run_tests, sandbox_info  # noqa: E402
-from hvd_ray.build import EngineSpec, build_engine  # noqa: E402
-from hvd_ray.dimr import describe_mask, resolve_mask  # noqa: E402
-from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
-from hvd_ray.model import load  # noqa: E402
-from hvd_ray.verification.tiered import SlimTier, TierThresholds  # noqa: E402
-from hvd_ray.workloads import load_workload, render  # noqa: E402
+from hvd_ray.bench.interleave import prefix_agreement
+from hvd_ray.bench.machine import machine_line
+from hvd_ray.bench.prompts import prompt_ids
+from hvd_ray.bench.scoring import bfcl_match, extract_code, parse_tool_calls, run_tests, sandbox_info
+from hvd_ray.build import EngineSpec, build_engine
+from hvd_ray.dimr import describe_mask, resolve_mask
+from hvd_ray.engine import Engine, SamplingParams
+from hvd_ray.model import load
+from hvd_ray.verification.tiered import SlimTier, TierThresholds
+from hvd_ray.workloads import load_workload, render
 
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
 
@@ -68,7 +68,7 @@ def bench_speed(model, tok, args) -> tuple[list[str], dict]:
     engines["greedy"].generate([prompts[0][2]], params)  # warm-up
     acc = {m: dict(tokens=0, time=0.0, full=0, slim=0, steps=0, dec=0, drafted=0, accepted=0, s_acc=0, s_regen=0,
                    s_esc=0, identical=0, prefix=0.0, n=0) for m in methods}
-    for i, (w, pid, ids) in enumerate(prompts):
+    for i, (_w, pid, ids) in enumerate(prompts):
         ref = None
         for m in methods:
             t0 = time.perf_counter()

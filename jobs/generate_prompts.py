@@ -24,7 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hvd_ray.workloads.self_chat import clean_query, dedup_key, user_turn_prefix  # noqa: E402
+from hvd_ray.workloads.self_chat import clean_query, dedup_key, user_turn_prefix
 
 
 def parse_args(argv=None) -> argparse.Namespace:

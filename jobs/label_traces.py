@@ -4,8 +4,8 @@
         [--model-drafter layerskip|draft-model|eagle3|none] [--max-draft 64] [--actors 2]
 
 Pipeline: traces (pyarrow, sorted by ``seq``) -> ``ray.data.from_arrow`` in blocks of ``--chunk``
-traces -> ``map_batches(TraceLabeler, ActorPoolStrategy)`` -> ``write_parquet(out)`` (``hvd_ray/traces/labels.py`` schema), plus
-``out/_labels_meta.json`` (feature spec, replay settings, row counts).
+traces -> ``map_batches(TraceLabeler, ActorPoolStrategy)`` -> ``write_parquet(out)``
+(``hvd_ray/traces/labels.py`` schema), plus ``out/_labels_meta.json`` (feature spec, replay settings, row counts).
 
 The global suffix tree of a trace must hold the outputs of every *earlier* trace (smaller ``seq``),
 so each actor reads every trace's output once, and labels its batches in ``seq`` order, adding the
@@ -29,9 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from hvd_ray.selection.features import SPEC  # noqa: E402
-from hvd_ray.traces.labels import LABEL_VERSION, META_FILE  # noqa: E402
-from hvd_ray.traces.replay import ReplayConfig, TraceLabeler, read_trace_table  # noqa: E402
+from hvd_ray.selection.features import SPEC
+from hvd_ray.traces.labels import LABEL_VERSION, META_FILE
+from hvd_ray.traces.replay import ReplayConfig, TraceLabeler, read_trace_table
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,18 +25,30 @@ import sys
 import time
 from pathlib import Path
 
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from hvd_ray.dimr import SlimMask, save_mask  # noqa: E402
-from hvd_ray.dimr.budget import SubLayerCosts, measure_costs, measure_mask  # noqa: E402
-from hvd_ray.dimr.cost import DEFAULT_ALPHA, DEFAULT_BETA  # noqa: E402
-from hvd_ray.dimr.search import (LOCAL_MOVES, OBJECTIVES, SearchProblem, SlimEvaluator, decode, generate_sequences,  # noqa: E402
-                                 greedy_search, parse_param, place_windows, random_scores, run_screen, run_search,
-                                 screen_seeds, sequences_from_traces)
+from hvd_ray.dimr import SlimMask, save_mask
+from hvd_ray.dimr.budget import SubLayerCosts, measure_costs, measure_mask
+from hvd_ray.dimr.cost import DEFAULT_ALPHA, DEFAULT_BETA
+from hvd_ray.dimr.search import (
+    LOCAL_MOVES,
+    OBJECTIVES,
+    SearchProblem,
+    SlimEvaluator,
+    decode,
+    generate_sequences,
+    greedy_search,
+    parse_param,
+    place_windows,
+    random_scores,
+    run_screen,
+    run_search,
+    screen_seeds,
+    sequences_from_traces,
+)
 
 CACHE = Path(os.environ.get("HVD_RAY_CACHE", Path.home() / ".cache" / "hvd_ray"))
 T0 = time.perf_counter()

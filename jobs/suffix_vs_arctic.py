@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter  # noqa: E402
+from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter
 
 TOKENIZER = Path.home() / ".cache/hvd_ray/models/SmolLM2-135M-Instruct/tokenizer.json"
 STDLIB_PKGS = ["json", "email", "http", "urllib", "logging", "concurrent", "unittest", "asyncio",

@@ -30,15 +30,22 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import torch  # noqa: E402
+import torch
 
-from hvd_ray.model import Transformer, parse_dtype, resolve  # noqa: E402
-from hvd_ray.model.eagle3_head import Eagle3Head, default_aux_layer_ids, taps_for  # noqa: E402
-from hvd_ray.traces import read_traces  # noqa: E402
-from hvd_ray.training.eagle3 import (  # noqa: E402
-    TTTLoss, draft_vocab_from_counts, extract_features, read_shard, shard_size, state_digest, ttt_logits,
-    write_shards)
-from hvd_ray.workloads import split_of  # noqa: E402
+from hvd_ray.model import Transformer, parse_dtype, resolve
+from hvd_ray.model.eagle3_head import Eagle3Head, default_aux_layer_ids, taps_for
+from hvd_ray.traces import read_traces
+from hvd_ray.training.eagle3 import (
+    TTTLoss,
+    draft_vocab_from_counts,
+    extract_features,
+    read_shard,
+    shard_size,
+    state_digest,
+    ttt_logits,
+    write_shards,
+)
+from hvd_ray.workloads import split_of
 
 
 def sequences(traces_dirs: list[str], splits: set[str]) -> list[tuple[list[int], int, str]]:
@@ -306,14 +313,17 @@ def evaluate(head: Eagle3Head, shards: list[Path], depth: int = 5, workloads: li
                     a = acc.setdefault(key, [0, 0])
                     a[0] += n
                     a[1] += 1
-    mat = lambda key: 1 + acc[key][0] / acc[key][1] if acc.get(key, [0, 0])[1] else 0.0  # noqa: E731
+
+    def mat(key: str) -> float:
+        return 1 + acc[key][0] / acc[key][1] if acc.get(key, [0, 0])[1] else 0.0
+
     return {"per_position_acceptance": [h / t if t else 0.0 for h, t in zip(hits, tries)],
             "mean_accepted_tokens_per_forward": mat("response"),
             "positions": acc.get("response", [0, 0])[1],
             "per_workload": {k.split(":", 1)[1]: {"mean_accepted_tokens_per_forward": mat(k), "positions": v[1]}
                              for k, v in sorted(acc.items()) if k.startswith("workload:")},
             "all_positions": {"mean_accepted_tokens_per_forward": mat("all"), "positions": acc.get("all", [0, 0])[1]},
-            "scope": "response positions (teacher-forced chain of %d)" % depth}
+            "scope": f"response positions (teacher-forced chain of {depth})"}
 
 
 def main() -> None:

@@ -23,8 +23,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def make_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     """Save a tiny random ``kind`` (llama | qwen2 | qwen3) model as a HF safetensors folder."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}

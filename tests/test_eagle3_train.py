@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC
+
 import torch
 
 from hvd_ray.model.eagle3_head import Eagle3Head
-from hvd_ray.training.eagle3 import extract_features, read_shard, ttt_logits, ttt_loss, write_shards
 from hvd_ray.model.transformer import Transformer
+from hvd_ray.training.eagle3 import extract_features, read_shard, ttt_logits, ttt_loss, write_shards
 from hvd_ray.workloads import split_of
 
 
@@ -40,7 +42,7 @@ def test_a_few_ttt_steps_reduce_the_loss(tiny_llama, tmp_path):
     data = list(extract_features(target, seqs, head.tap_layers, max_len=64))
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     first = last = None
-    for epoch in range(15):
+    for _epoch in range(15):
         total = 0.0
         for s in data:
             loss, _ = ttt_loss(head, s["taps"].float(), s["tokens"], s["pred"], steps=3)
@@ -55,7 +57,7 @@ def test_a_few_ttt_steps_reduce_the_loss(tiny_llama, tmp_path):
 
 def _smoke_traces(tmp_path):
     """24 repetitive trace rows (a head can learn something quickly) in two trace folders."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -70,7 +72,7 @@ def _smoke_traces(tmp_path):
         rows.append({"prompt_id": f"smoke/{i}", "workload": "chat", "split": "train", "seq": i,
                      "prompt_tokens": seq[:8], "output_tokens": seq[8:], "finish_reason": "length",
                      "model_id": "tiny", "model_revision": "x", "backend": "hvd_ray", "decoding": "{}",
-                     "prefill_s": 0.0, "decode_s": 0.0, "created_at": datetime.now(timezone.utc),
+                     "prefill_s": 0.0, "decode_s": 0.0, "created_at": datetime.now(UTC),
                      "topk_ids": None, "topk_logprobs": None})
     folders = [tmp_path / "traces-a", tmp_path / "traces-b"]
     for k, folder in enumerate(folders):

@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 import torch
-
 from conftest import MAX_NEW
 
 slow = pytest.mark.slow
@@ -22,7 +21,7 @@ def _run(engine, prompts, params):
     return reqs, outs
 
 
-def _poisoned() -> "SamplingParams":  # noqa: F821
+def _poisoned() -> SamplingParams:  # noqa: F821
     """What `temperature: 1e-45` did before validation: 1/T overflows the logits to inf / NaN."""
     from hvd_ray.engine import SamplingParams
 

@@ -87,10 +87,9 @@ def test_cpu_dispatch_runs_the_references():
 def test_greedy_references_walk_like_the_engine():
     """kernels keep torch references of their own (they import nothing else from hvd_ray): random chains
     and trees, tied logits and duplicate sibling tokens included, give the engine's walks."""
+    from hvd_ray.kernels import verify_greedy_torch, verify_tree_torch
     from hvd_ray.verification import greedy_walk
     from hvd_ray.verification.greedy import greedy_accept_chain
-
-    from hvd_ray.kernels import verify_greedy_torch, verify_tree_torch
 
     g = torch.Generator().manual_seed(3)
     for trial in range(60):
@@ -113,9 +112,8 @@ def test_greedy_references_walk_like_the_engine():
 @pytest.mark.parametrize("with_q", [False, True])
 def test_rejection_reference_accepts_like_the_engine(with_q):
     """Same generator, same uniforms for the accept tests: the accepted count is the engine's."""
-    from hvd_ray.verification import rejection_sample_chain
-
     from hvd_ray.kernels import verify_rejection_torch
+    from hvd_ray.verification import rejection_sample_chain
 
     g = torch.Generator().manual_seed(3)
     V = 40
@@ -158,9 +156,8 @@ def test_chi_square_check_catches_a_wrong_sampler():
 
 
 def test_compact_reference_equals_kvcache_compact():
-    from hvd_ray.model.transformer import KVCache, ModelConfig
-
     from hvd_ray.kernels import compact_kv, compact_kv_torch
+    from hvd_ray.model.transformer import KVCache, ModelConfig
 
     cfg = ModelConfig(vocab_size=10, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=8, intermediate_size=8)
     cache = KVCache(cfg, 3, 32, torch.float32, torch.device("cpu"))

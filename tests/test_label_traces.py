@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from conftest import make_tiny
+
 from hvd_ray.drafters.base import Draft, DraftRequest
 from hvd_ray.drafters.eagle3 import Eagle3Drafter
 from hvd_ray.drafters.layerskip import LayerSkipDrafter, parse_skip
@@ -29,8 +29,16 @@ from hvd_ray.model.transformer import Transformer
 from hvd_ray.selection.features import VocabFlags
 from hvd_ray.selection.policy import ScoreRule
 from hvd_ray.traces.labels import LABEL_SCHEMA
-from hvd_ray.traces.replay import (GlobalReplay, budgets_for, label_traces_local, longest_match, model_drafter_labels,
-                                   read_trace_table, replay_trace, traces_from_table)
+from hvd_ray.traces.replay import (
+    GlobalReplay,
+    budgets_for,
+    label_traces_local,
+    longest_match,
+    model_drafter_labels,
+    read_trace_table,
+    replay_trace,
+    traces_from_table,
+)
 from hvd_ray.traces.schema import TRACE_SCHEMA
 
 MAX_NEW = 40

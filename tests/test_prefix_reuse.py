@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import MAX_NEW
+
 from hvd_ray.build import EngineSpec, build_engine
 from hvd_ray.engine import SamplingParams
 from hvd_ray.model.transformer import KVCache

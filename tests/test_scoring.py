@@ -115,8 +115,8 @@ def test_no_network_when_isolated():
         srv.bind(("127.0.0.1", 0))
         srv.listen()
         port = srv.getsockname()[1]
-        program = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', %d), timeout=2)\n"
-                   "    reached = True\nexcept OSError:\n    reached = False\nassert not reached\n" % port)
+        program = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                   "    reached = True\nexcept OSError:\n    reached = False\nassert not reached\n")
         assert run_tests(program)
 
 

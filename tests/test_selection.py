@@ -11,21 +11,43 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_label_traces import DEPTH, MAX_NEW, MIN_PROB, SKIP, replay_config, tiny_labels, tiny_setup
 
 from hvd_ray.drafters.base import Draft
 from hvd_ray.drafters.layerskip import LayerSkipDrafter, parse_skip
 from hvd_ray.drafters.suffix import SuffixDrafter
 from hvd_ray.engine import Engine, SamplingParams
 from hvd_ray.model.transformer import Transformer
-from hvd_ray.selection.features import (FEATURES, FLAGS, HISTORY_SLICE, SPEC, FeatureSpec, VocabFlags, features,
-                                        history_features, token_flags, with_history)
-from hvd_ray.selection.policy import (CACHE, MODEL, NONE, AlwaysCache, AlwaysModel, CostPolicy,
-                                      OraclePolicy, ScoreRule, StepView, TauPolicy, extended, verify_cost)
+from hvd_ray.selection.features import (
+    FEATURES,
+    FLAGS,
+    HISTORY_SLICE,
+    SPEC,
+    FeatureSpec,
+    VocabFlags,
+    features,
+    history_features,
+    token_flags,
+    with_history,
+)
+from hvd_ray.selection.policy import (
+    CACHE,
+    MODEL,
+    NONE,
+    AlwaysCache,
+    AlwaysModel,
+    CostPolicy,
+    OraclePolicy,
+    ScoreRule,
+    StepView,
+    TauPolicy,
+    extended,
+    verify_cost,
+)
 from hvd_ray.selection.predictor import YieldPredictor
 from hvd_ray.traces.labels import META_FILE
-from hvd_ray.traces.simulate import simulate, simulate_trace, trace_labels_from_table
 from hvd_ray.traces.replay import label_traces_local
-from test_label_traces import DEPTH, MAX_NEW, MIN_PROB, SKIP, replay_config, tiny_labels, tiny_setup
+from hvd_ray.traces.simulate import simulate, simulate_trace, trace_labels_from_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -423,7 +445,7 @@ def test_cost_policy_relearns_the_cache_from_steps_that_did_not_verify_it():
     pol.cache_scale["suffix-global"] = 0.1  # one bad draft pushed it to the floor
     req = Request("r", [1, 2, 3], SamplingParams())
     truth = [7, 8, 9]
-    for step in range(6):
+    for _step in range(6):
         n0 = len(req.output)
         pol._shadow.setdefault("r", []).append((Draft.chain([7, 8, 9, 10]), 1.0, "suffix-global", n0, None, 4, 4))
         req.output += truth  # the model drafter's step emitted 2 accepted + 1 bonus, all as cached
@@ -571,8 +593,11 @@ def test_cost_policy_verifies_both_drafts_where_the_cache_draft_is_doubtful():
 
     timed = StepCosts(costs, forward_s=0.01, long_table={1: 1.0, 2: 1.1, 4: 1.25, 8: 1.5, 16: 1.9, 32: 2.6, 64: 3.6},
                       long_forward_s=0.02, prefix=64, long_prefix=2048)
-    at = lambda context: StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=4,  # noqa: E731
-                                  cache_probs=[0.6] * 16, context=context)
+
+    def at(context: int) -> StepView:
+        return StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=4, cache_probs=[0.6] * 16,
+                        context=context)
+
     by_context = CostPolicy(constant_predictor(2.0), model=_Eagle(), cost_table=timed, model_accept=1.5,
                             model_token_cost=0.05, adapt=0.0)
     assert by_context.decide(at(64))[0] == CACHE and by_context.decide(at(4000))[0] == MODEL

@@ -3,21 +3,24 @@ real model, real prompts), and speculative sampling preserves the target distrib
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from conftest import make_tiny, second_token_marginal, second_token_pvalue
+# real-model fixtures (``target``, ``prompts``, ``plain``) and MAX_NEW live in conftest.py (session
+# scope: test_tiered.py checks the slim tier against the same plain greedy outputs)
+from conftest import (
+    MAX_NEW,  # noqa: E402,F401
+    make_tiny,
+    second_token_marginal,
+    second_token_pvalue,
+)
+
 from hvd_ray.drafters import make_drafter
 from hvd_ray.drafters.layerskip import LayerSkipDrafter
 from hvd_ray.drafters.model_drafter import draft_model_drafter
 from hvd_ray.drafters.suffix import SuffixDrafter
 from hvd_ray.engine import Engine, SamplingParams
 from hvd_ray.model.transformer import Transformer
-
-# real-model fixtures (``target``, ``prompts``, ``plain``) and MAX_NEW live in conftest.py (session
-# scope: test_tiered.py checks the slim tier against the same plain greedy outputs)
-from conftest import MAX_NEW  # noqa: E402,F401
 
 
 def drafter_for(name, model, tmp_path_factory):

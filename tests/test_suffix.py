@@ -7,7 +7,8 @@ from collections import Counter
 from fractions import Fraction
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from hvd_ray.drafters.base import Draft, DraftRequest
 from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixTree

@@ -4,9 +4,9 @@ distribution; the tiered mode keeps the full model's KV cache exact across slim-
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import MAX_NEW  # ``target``, ``prompts``, ``plain``: session fixtures in conftest.py
 
 from hvd_ray.dimr import resolve_mask
 from hvd_ray.drafters import make_drafter
@@ -15,7 +15,6 @@ from hvd_ray.drafters.suffix import SuffixDrafter
 from hvd_ray.engine import Engine, SamplingParams
 from hvd_ray.model.transformer import Transformer
 from hvd_ray.verification.tiered import SlimTier, TierThresholds, confidence_ratios, repair, tiered_verdict
-from conftest import MAX_NEW  # ``target``, ``prompts``, ``plain``: session fixtures in conftest.py
 
 EVERYTHING = TierThresholds(accept=0.0, escalate=0.0, early_accept=0.0, early_escalate=0.0, own=0.0)
 NOTHING = TierThresholds(accept=1.01, escalate=1.01, early_accept=1.01, early_escalate=1.01)

@@ -8,7 +8,7 @@ controls show the same check rejects samplers that are subtly wrong.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -242,7 +242,7 @@ DRAWS = 20_000
 Step = Callable[[tuple, np.random.Generator, torch.Generator], list]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dist(kind: int, prefix: tuple) -> np.ndarray:
     """kind 0: the target's next-token distribution after ``prefix``; kind 1: the draft model's."""
     z = np.random.default_rng([kind, len(prefix), *prefix]).normal(size=V) * 1.3

@@ -8,7 +8,6 @@ import re
 import pytest
 from test_vllm import VLLM_PYTHON, needs_vllm
 
-
 AGENT_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string",

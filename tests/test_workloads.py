@@ -22,6 +22,7 @@ from hvd_ray.workloads import (  # noqa: E402
     DatasetNotInstalledError,
     Prompt,
     conversation_id,
+    datasets,  # noqa: E402
     load_bfcl,
     load_bfcl_chat,
     load_bfcl_multi_turn,
@@ -32,7 +33,6 @@ from hvd_ray.workloads import (  # noqa: E402
     render,
     split_of,
 )
-from hvd_ray.workloads import datasets  # noqa: E402
 
 
 @pytest.fixture(scope="module")

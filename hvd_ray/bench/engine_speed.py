@@ -108,8 +108,10 @@ def bench_engine(args) -> str:
         f"| batch 8 (throughput) | {o8:.1f} | {median(b8['hf']):.1f} | {o8 / median(b8['hf']):.2f}x |",
         "",
         f"Own engine batch-8 throughput / batch-1 throughput: **{o8 / o1:.2f}x** end to end (prefill "
-        f"included; prefill is compute-bound and does not batch), **{median(decode_rate['b8']) / median(decode_rate['b1']):.2f}x** "
-        f"for decoding alone ({median(decode_rate['b8']):.1f} vs {median(decode_rate['b1']):.1f} tok/s, median per run).",
+        f"included; prefill is compute-bound and does not batch), "
+        f"**{median(decode_rate['b8']) / median(decode_rate['b1']):.2f}x** "
+        f"for decoding alone ({median(decode_rate['b8']):.1f} vs {median(decode_rate['b1']):.1f} tok/s, "
+        "median per run).",
         "",
         "## Cost of one target forward scoring k tokens (300-token prefix), relative to k = 1",
         "",

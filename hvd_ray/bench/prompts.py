@@ -3,8 +3,8 @@ and user prompt files as extra workloads."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..workloads import load_user_prompts, load_workload, render
 from ..workloads.agent import agent_prompts

@@ -310,7 +310,8 @@ def build_report(args) -> str:
         "",
         "tok/s = generated tokens / wall time (prefill included); vs greedy = tok/s over our greedy's on the same "
         "prompts in this run; vs greedy, decode = the same ratio for decoding alone (tokens after the first / "
-        "decode time; prefill excluded); MAT = mean accepted tokens per target forward (decode steps: accepted draft tokens + 1); "
+        "decode time; prefill excluded); MAT = mean accepted tokens per target forward (decode steps: "
+        "accepted draft tokens + 1); "
         "fwd/1k = full-target forwards (prefill included) per 1,000 generated tokens; slim/1k = slim-verifier "
         "forwards per 1,000 tokens; cache chosen = share of decode steps that verified a suffix-cache draft; "
         "draft share = drafting time / wall time; identical = outputs token-identical to our greedy's "

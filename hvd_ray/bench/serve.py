@@ -4,6 +4,7 @@ mode) side by side."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -134,9 +135,11 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         "of the level's requests / time inside engine steps (what no drafter can speed up); tokens/forward = "
         "tokens a request gained per target forward it took part in (finished requests); batch arms = the "
         "level's batch steps (2 rows or more) by the way they drafted under the cost policy (`GET /stats` "
-        "`speculation`, `engine/costs.py:SpeculationCheck`): the cache drafter's own drafts / the policy's choices / none.",
+        "`speculation`, `engine/costs.py:SpeculationCheck`): the cache drafter's own drafts / the policy's "
+        "choices / none.",
         "",
-        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | actor wait | in steps | prefill | tokens/forward | batch arms |",
+        "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s "
+        "| actor wait | in steps | prefill | tokens/forward | batch arms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
@@ -193,7 +196,7 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                 s0 = _stats(base)
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(conc) as pool:
-                    res = list(pool.map(lambda ids: _request(base, ids, args.max_tokens), work))
+                    res = list(pool.map(functools.partial(_request, base, max_tokens=args.max_tokens), work))
                 wall = time.perf_counter() - t0
                 s1 = _stats(base)
                 wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - \

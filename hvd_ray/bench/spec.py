@@ -4,6 +4,7 @@ HVD's cost policy fares against its own drafters and the live oracle."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -18,7 +19,6 @@ from .machine import DTYPE_NAMES, busy_cpu, command, machine_line
 from .methods import make_method
 from .peers import VLLM_METHODS, NotRun, vllm_runners
 from .prompts import prompt_ids
-
 
 SPEC_RAW_KEYS = ("tokens", "time", "forwards", "steps", "dec_tokens", "draft_s", "cache_steps", "prompt", "cached")
 
@@ -51,6 +51,10 @@ CACHE_METHODS = ("suffix", "hvd-always-cache")
 MODEL_METHODS = ("eagle3", "eagle3-tree", "layerskip", "hvd-always-model")
 
 
+def _forwards_per_1k(rows: dict, w: str, m: str) -> float:
+    return 1000 * rows[(w, m)]["forwards"] / max(rows[(w, m)]["tokens"], 1)
+
+
 def dominance_table(by_regime: dict, workloads, methods) -> list[str]:
     """The dominance targets per regime and workload for the shipped policy (``hvd-cost-union`` where the run has
     it, else ``hvd-cost``): its tok/s over the best single source (always-cache, always-model) of
@@ -74,7 +78,7 @@ def dominance_table(by_regime: dict, workloads, methods) -> list[str]:
             tps = {m: rows[(w, m)]["tokens"] / rows[(w, m)]["time"]
                    for m in cache + model + peers + ["hvd-cost", "hvd-cost-union"] if (w, m) in rows}
             best = max(cache + model, key=tps.get)
-            fwd = lambda m: 1000 * rows[(w, m)]["forwards"] / max(rows[(w, m)]["tokens"], 1)  # noqa: E731
+            fwd = functools.partial(_forwards_per_1k, rows, w)
             orc = f"{fwd('oracle'):.0f}" if (w, "oracle") in rows else "-"
             ratio = f"{fwd(hvd) / fwd('oracle'):.2f}" if (w, "oracle") in rows else "-"
             vs = "".join(f" {tps[hvd] / tps[m]:.2f} |" if m in tps else " - |" for m in peers)
@@ -172,7 +176,7 @@ def bench_spec(args) -> str:
 
     labels: list = []
 
-    def measure(regime: str, runners, work) -> "Runs":
+    def measure(regime: str, runners, work) -> Runs:
         """One interleaved pass, filed under ``regime`` with the audit labels it produced."""
         runs = run_interleaved(runners, work, params, f"{regime} ")
         audit.setdefault(regime, []).extend(labels)
@@ -238,7 +242,8 @@ def bench_spec(args) -> str:
         f"Command: `{command('jobs/benchmark.py')}`  ",
         f"Machine: {machine_line()}  ",
         f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, up to {args.max_tokens} new tokens, "
-        f"{n_per} {'' if split is None else f'{split}-split '}prompts per workload of <= {args.max_prompt_tokens} tokens"
+        f"{n_per} {'' if split is None else f'{split}-split '}prompts per workload "
+        f"of <= {args.max_prompt_tokens} tokens"
         + "".join(f" (`{label}`: the user prompt file `{f}`)"
                   for (label, _), f in zip(args.user_workloads, args.prompt_file))
         + ", "
@@ -278,7 +283,8 @@ def bench_spec(args) -> str:
                   "that greedy verification accepts, from greedy's output for the prompt. ŷ = the shipped "
                   "predictor; calibrated = the estimate the policy used (ŷ or tree probabilities, each scaled "
                   "online, whichever erred less lately). Precision / recall of `estimate >= 6` for `label >= 6`.", "",
-                  "| regime | step starts | label >= 6 | ŷ precision | ŷ recall | calibrated precision | calibrated recall |",
+                  "| regime | step starts | label >= 6 | ŷ precision | ŷ recall "
+                  "| calibrated precision | calibrated recall |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for regime, labs in audit.items():
             if regime not in by_regime or not labs:

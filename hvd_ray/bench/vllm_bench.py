@@ -98,7 +98,8 @@ def bench_vllm(args) -> str:
             + (f"; {s['model_steps']} with an EAGLE-3 draft, {s['model_drafted']} draft tokens there, "
                f"{s['model_accepted']} accepted; {s['mixed_steps']} steps whose rows took different sources"
                if "model_steps" in s else "")
-            + (f", step costs by width at the end ({'timed from its own steps' if s.get('costs_timed') else 'prior'}): "
+            + (f", step costs by width at the end "
+               f"({'timed from its own steps' if s.get('costs_timed') else 'prior'}): "
                + ", ".join(f"{w}: {c:.2f}" for w, c in s["costs"].items()) if s.get("costs") else "")
             for m, s in stats.items()) + "."]
     if errors:

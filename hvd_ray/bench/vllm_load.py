@@ -109,7 +109,8 @@ def bench_vllm_serve(args) -> str:
         f"# vLLM's OpenAI server under load: no speculation, suffix, EAGLE-3 and hvd-ray's plug-in ({workload})",
         "",
         f"Command: `{command('jobs/benchmark.py')}`  ",
-        f"Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_name()}; {versions().split(', ray ')[0]}; vLLM {version} (its own interpreter)  ",
+        f"Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_name()}; {versions().split(', ray ')[0]}; "
+        f"vLLM {version} (its own interpreter)  ",
         f"Machine: {machine_line()}; vLLM interpreter `{args.vllm_python}`, {args.threads} OpenMP threads per server  ",
         f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, {args.max_tokens} output tokens per request "
         f"(`--ignore-eos`); client: vLLM's `vllm bench serve` (`vllm.benchmarks.serve`, backend `openai`, the "

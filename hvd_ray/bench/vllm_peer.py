@@ -8,15 +8,16 @@
 "methods": {name: speculative_config or null}}``. Every method gets its own ``LLM`` (bf16, batch 1);
 the prompts run interleaved across methods (A B A B ...). Prints one JSON line:
 ``{"version": ..., "methods": {name: {"tokens", "time", "outputs", "per_prompt": [[tokens, s]]} | {"error": str}}}``.
-Optional keys: ``"dtype"`` (default bfloat16); ``"batch": true`` (each method generates all prompts in
-one call, ``max_num_seqs`` = their number; an integer: groups of that many prompts, one call each);
-``"sampling": {"temperature": t, "seed": s}`` (sample instead of greedy, prompt i with seed s + i); ``"inproc": true`` (the engine core in this process, as
-``--serve`` runs it); ``"count": true`` (hvd-ray's worker extension counts each method's target
-forwards: ``per_prompt`` rows get ``[tokens, s, forwards, prefill forwards]`` and the method its
-proposer's counts under ``"proposer"``; needs hvd_ray on ``PYTHONPATH``, as does a ``custom_class``
-method naming ``hvd_ray.vllm.*``); ``"plugins": ["module:function", ...]`` (vLLM plug-in entry points
-to call first, e.g. ``hvd_ray.vllm.plugin:register`` for the method ``{"method": "hvd", ...}`` where
-hvd-ray is not installed; the output's ``"plugins"`` lists the entry points vLLM finds itself).
+Optional keys: ``"dtype"`` (default bfloat16); ``"batch": true`` (each method generates all prompts
+in one call, ``max_num_seqs`` = their number; an integer: groups of that many prompts, one call
+each); ``"sampling": {"temperature": t, "seed": s}`` (sample instead of greedy, prompt i with
+seed s + i); ``"inproc": true`` (the engine core in this process, as ``--serve`` runs it);
+``"count": true`` (hvd-ray's worker extension counts each method's target forwards: ``per_prompt``
+rows get ``[tokens, s, forwards, prefill forwards]`` and the method its proposer's counts under
+``"proposer"``; needs hvd_ray on ``PYTHONPATH``, as does a ``custom_class`` method naming
+``hvd_ray.vllm.*``); ``"plugins": ["module:function", ...]`` (vLLM plug-in entry points to call
+first, e.g. ``hvd_ray.vllm.plugin:register`` for the method ``{"method": "hvd", ...}`` where hvd-ray
+is not installed; the output's ``"plugins"`` lists the entry points vLLM finds itself).
 
     /path/to/vllm-venv/bin/python hvd_ray/bench/vllm_peer.py --serve '{"model": ..., "dtype": ..., "threads": t,
                                                                          "spec": speculative_config or null}'

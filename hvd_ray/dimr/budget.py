@@ -5,9 +5,10 @@ batch 1 by default), so that is the workload we time. Sub-layer cost is *measure
 ``t(full) − t(every attention skipped)`` is the attention time of all layers, likewise for the MLPs,
 with timings interleaved (A B C D A B C D …) so that load from other processes hits every
 configuration alike, and the minimum over rounds taken (other processes only ever add time; on a
-shared machine the least-disturbed round is the best estimate of the cost itself). Within one kind all layers have identical shapes and read the same
-KV length, so each layer gets ``1/L`` of its kind's measured time (``per_layer=True`` measures every
-sub-layer on its own instead, at 2L more timed configurations).
+shared machine the least-disturbed round is the best estimate of the cost itself). Within one kind
+all layers have identical shapes and read the same KV length, so each layer gets ``1/L`` of its
+kind's measured time (``per_layer=True`` measures every sub-layer on its own instead, at 2L more
+timed configurations).
 
 ``kept_fraction(mask)`` is then the share of measured block time (Σ over all sub-layers) that the
 mask keeps; the budget constraint of the search is ``kept_fraction ≤ budget``. The final mask's
@@ -17,8 +18,8 @@ ratio is also measured directly (:func:`measure_mask`), and both are reported.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 
@@ -56,11 +57,11 @@ class SubLayerCosts:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "SubLayerCosts":
+    def from_json(cls, d: dict) -> SubLayerCosts:
         return cls(**d)
 
     @classmethod
-    def uniform(cls, n_layers: int, attn: float = 1.0, mlp: float = 1.0) -> "SubLayerCosts":
+    def uniform(cls, n_layers: int, attn: float = 1.0, mlp: float = 1.0) -> SubLayerCosts:
         """Assumed (not measured) costs: only for tests and dry runs."""
         return cls([attn] * n_layers, [mlp] * n_layers, 0.0, n_layers * (attn + mlp), {"assumed": True})
 

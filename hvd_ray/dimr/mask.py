@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 SUBS = ("attn", "mlp")
 FORMAT_VERSION = 1
@@ -92,7 +93,7 @@ class SlimMask:
         return [int(c in s) for c in self.candidates(self.n_layers)]
 
     @classmethod
-    def from_bits(cls, n_layers: int, bits: Sequence[int], **kw: Any) -> "SlimMask":
+    def from_bits(cls, n_layers: int, bits: Sequence[int], **kw: Any) -> SlimMask:
         cands = cls.candidates(n_layers)
         if len(bits) != len(cands):
             raise MaskError(f"expected {len(cands)} bits for {n_layers} layers, got {len(bits)}")
@@ -113,7 +114,7 @@ class SlimMask:
         return ",".join(parts)
 
     @classmethod
-    def parse(cls, spec: str, n_layers: int, **kw: Any) -> "SlimMask":
+    def parse(cls, spec: str, n_layers: int, **kw: Any) -> SlimMask:
         """``"attn:10-17,mlp:20,layer:5"`` -> mask (``layer:i`` skips both sub-layers; ``""`` = none)."""
         items: list[SubLayer] = []
         for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -141,7 +142,7 @@ class SlimMask:
                 "skip": [[i, k] for i, k in self.skip], "spec": self.spec(), "meta": self.meta}
 
     @classmethod
-    def from_json(cls, d: dict) -> "SlimMask":
+    def from_json(cls, d: dict) -> SlimMask:
         if d.get("format") != "hvd_ray.slim_mask":
             raise MaskError("not a slim-mask artifact (format field missing or wrong)")
         if d.get("version") != FORMAT_VERSION:
@@ -215,7 +216,7 @@ def load_mask(name_or_path: str | Path, model: Any = None, *, model_revision: st
     return mask
 
 
-def as_mask(x: "SlimMask | Iterable[SubLayer] | str", n_layers: int) -> SlimMask:
+def as_mask(x: SlimMask | Iterable[SubLayer] | str, n_layers: int) -> SlimMask:
     """A SlimMask from a mask, a skip list, or a spec string."""
     if isinstance(x, SlimMask):
         return x
@@ -230,7 +231,7 @@ def shipped_mask(model: Any = None) -> SlimMask:
 
 
 # ------------------------------------------------------------------- the engine's slim mask
-def resolve_mask(mask: "str | Path | SlimMask | Sequence[SubLayer] | None", n_layers: int) -> list[SubLayer]:
+def resolve_mask(mask: str | Path | SlimMask | Sequence[SubLayer] | None, n_layers: int) -> list[SubLayer]:
     """The slim verifier's skipped sub-layers (what ``SlimTier`` takes) from: a ``SlimMask`` or a list
     of ``(layer, kind)``; ``"default"`` / None (the shipped DIMR mask when it fits, else
     ``layerskip.default_skip``); ``"layerskip"`` (``default_skip``); a mask artifact (folder,
@@ -252,7 +253,7 @@ def resolve_mask(mask: "str | Path | SlimMask | Sequence[SubLayer] | None", n_la
     return check_mask(skip, n_layers)
 
 
-def describe_mask(mask: "str | Path | SlimMask | Sequence[SubLayer] | None", n_layers: int) -> str:
+def describe_mask(mask: str | Path | SlimMask | Sequence[SubLayer] | None, n_layers: int) -> str:
     """Where ``resolve_mask`` takes this mask from, for reports."""
     if mask is None or mask == "default":
         return "shipped DIMR mask" if _shipped(n_layers) else "layerskip.default_skip (no DIMR mask shipped)"

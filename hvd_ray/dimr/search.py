@@ -35,8 +35,8 @@ import hashlib
 import json
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import optuna
 import torch

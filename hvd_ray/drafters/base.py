@@ -8,8 +8,8 @@ verifier can lay the draft out in the order given.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -45,12 +45,12 @@ class Draft:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     @classmethod
-    def chain(cls, tokens: Sequence[int], probs: Sequence[float] | None = None, **kw) -> "Draft":
+    def chain(cls, tokens: Sequence[int], probs: Sequence[float] | None = None, **kw) -> Draft:
         tokens = list(tokens)
         probs = list(probs) if probs is not None else [1.0] * len(tokens)
         return cls(tokens, list(range(-1, len(tokens) - 1)), probs, **kw)
 
-    def truncated(self, n: int) -> "Draft":
+    def truncated(self, n: int) -> Draft:
         """The first ``n`` tokens (a prefix in tree order is still a valid tree)."""
         dists = self.dists[:n] if self.dists is not None else None
         return Draft(self.token_ids[:n], self.parents[:n], self.probs[:n], self.score,
@@ -58,7 +58,7 @@ class Draft:
                      self.marks[:n] if self.marks is not None else None)
 
     @classmethod
-    def union(cls, first: "Draft", second: "Draft", source: str = "union") -> "Draft":
+    def union(cls, first: Draft, second: Draft, source: str = "union") -> Draft:
         """Both drafts as one tree (a trie: a path the two share is one path), so one forward
         verifies both for the tokens they differ in. ``marks[i]``: node i lies on ``second``. Drafts
         sampled from a model (``dists``) cannot join: their rejection test needs a chain."""

@@ -6,7 +6,7 @@ positions and scribbles past them, where the next verify forward overwrites (see
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..model.transformer import SubLayer, Transformer
 from .model_drafter import ModelDrafter

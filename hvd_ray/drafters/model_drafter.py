@@ -9,7 +9,7 @@ one-hot proposals and the output distribution is still exactly the target's.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -24,8 +24,8 @@ shorter than ``max_depth`` may match in full; an empty draft reports ``match_len
 from __future__ import annotations
 
 import heapq
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from hvd_ray.drafters.base import Draft, Drafter, DraftRequest
 
@@ -38,7 +38,7 @@ class _Node:
     __slots__ = ("count", "token", "length", "ref", "ref_idx", "parent", "children", "best")
 
     def __init__(self, count: int, token: int, length: int, ref: list, ref_idx: int,
-                 parent: "_Node | None") -> None:
+                 parent: _Node | None) -> None:
         self.count = count
         self.token = token          # first token (the key in the parent's children)
         self.length = length

@@ -17,8 +17,8 @@ import bisect
 import heapq
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -166,7 +166,7 @@ WIDTH_FIT_MIN_VAR = 0.1 ** 2
 WIDTH_SCALE_MIN, WIDTH_SCALE_MAX = 0.1, 10.0
 
 
-def batch_lengths(lengths: Sequence[int], gains: Sequence[Sequence[float]], costs: "StepCosts") -> list[int]:
+def batch_lengths(lengths: Sequence[int], gains: Sequence[Sequence[float]], costs: StepCosts) -> list[int]:
     """Each row's draft length this step (at most ``lengths[r]``), for one verify forward.
 
     The forward packs its rows (``Transformer.forward``): a batch of ``B`` rows with drafts of
@@ -233,18 +233,19 @@ class SpeculationCheck:
     batch size (not per step of the arm), so every arm follows load and prompts at the same pace: a
     per-sample average let an arm retried every 16th step keep ~40 % of its weight on its first
     three steps, taken while the global tree was still empty, long after (rated by those cold
-    steps, the cache arm looked about half as fast as it was, and the policy's arm was kept). One step counts for at most ``outlier`` times the
-    arm's average step time: a drafted step that also runs EAGLE-3 over a new request's whole prompt (its one-off catch-up)
-    can take seven plain steps' time, and taken whole that one step dragged the drafted arm below
-    the plain one, where it then stayed, re-measured only every ``explore_drafts``-th step. (An
-    average of the steps' own rates, tried first, is biased toward the arm whose steps vary most:
-    a policy step now and then accepting a 16-token draft rated the policy's arm 20 % above the
-    cache's where both decoded the same tokens per second.) Plain is preferred only when it
-    measures ``margin`` faster than the best drafted arm: at batch 8 here a drafted arm's rate moves
-    by about that from one step to the next, and a close call costs little either way. The second
-    drafted arm must measure ``switch`` faster than the first (the cache's: under load on the CPUs
-    measured it decoded faster than the policy's choices, and a policy step taken on noise cost
-    more than its share; docs/results-http.md)."""
+    steps, the cache arm looked about half as fast as it was, and the policy's arm was kept). One
+    step counts for at most ``outlier`` times the arm's average step time: a drafted step that also
+    runs EAGLE-3 over a new request's whole prompt (its one-off catch-up) can take seven plain
+    steps' time, and taken whole that one step dragged the drafted arm below the plain one, where
+    it then stayed, re-measured only every ``explore_drafts``-th step. (An average of the steps' own
+    rates, tried first, is biased toward the arm whose steps vary most: a policy step now and then
+    accepting a 16-token draft rated the policy's arm 20 % above the cache's where both decoded the
+    same tokens per second.) Plain is preferred only when it measures ``margin`` faster than the
+    best drafted arm: at batch 8 here a drafted arm's rate moves by about that from one step to the
+    next, and a close call costs little either way. The second drafted arm must measure ``switch``
+    faster than the first (the cache's: under load on the CPUs measured it decoded faster than the
+    policy's choices, and a policy step taken on noise cost more than its share;
+    docs/results-http.md)."""
 
     def __init__(self, explore_plain: int = 64, explore_drafts: int = 16, adapt: float = 0.03, min_steps: int = 3,
                  margin: float = 0.1, switch: float = 0.15, arms: Sequence[str] = ARMS,

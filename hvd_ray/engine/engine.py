@@ -24,16 +24,15 @@ import logging
 import operator
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from ..drafters.base import Draft, Drafter, DraftRequest
 from ..model.tp import rank0_values
 from ..model.transformer import Transformer
-from ..verification import (greedy_walk, rejection_sample_chain, rejection_sample_tree, target_probs,
-                            tree_attention_mask)
+from ..verification import greedy_walk, rejection_sample_chain, rejection_sample_tree, target_probs, tree_attention_mask
 from ..verification.sampling import sample
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
@@ -58,7 +57,7 @@ class Choice:
     also: Draft | None = None  # a cache draft to verify with ``drafter``'s as one tree (``Draft.union``)
 
 
-def as_choice(x: "Choice | Drafter | None") -> Choice:
+def as_choice(x: Choice | Drafter | None) -> Choice:
     return x if isinstance(x, Choice) else Choice(x)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 _UNFINISHED = "\ufffd"  # what a decoder makes of an unfinished UTF-8 character (and of invalid bytes)
 

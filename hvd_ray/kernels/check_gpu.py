@@ -16,6 +16,7 @@ logic). Exits 1 if any check fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -28,11 +29,14 @@ import torch
 
 def _engine_entry_points(dev: str, vocab: int) -> dict[str, str | None]:
     """The wired functions on CUDA vs the torch path (forced, and on CPU)."""
-    from hvd_ray.model.transformer import KVCache, ModelConfig
-    from hvd_ray.verification import (greedy_accept_chain, greedy_accept_chain_batch, greedy_accept_tree,
-                                      rejection_sample_chain)
-
     from hvd_ray.kernels._triton import ENV_VAR
+    from hvd_ray.model.transformer import KVCache, ModelConfig
+    from hvd_ray.verification import (
+        greedy_accept_chain,
+        greedy_accept_chain_batch,
+        greedy_accept_tree,
+        rejection_sample_chain,
+    )
 
     def both(fn):
         """fn() with the kernels, then with HVD_RAY_KERNELS=torch."""
@@ -112,8 +116,8 @@ def _timings(dev: str, vocab: int) -> list[tuple[str, float, float]]:
         drafts = logits.argmax(-1)[:, :k].contiguous()      # all accepted: every row is read
         lens = torch.full((B,), k, device=dev)
         rows.append((f"greedy B={B} k={k} bf16, all accepted",
-                     do_bench(lambda: kn.verify_greedy_triton(logits, drafts, lens)),
-                     do_bench(lambda: kn.verify_greedy_torch(logits, drafts, lens))))
+                     do_bench(functools.partial(kn.verify_greedy_triton, logits, drafts, lens)),
+                     do_bench(functools.partial(kn.verify_greedy_torch, logits, drafts, lens))))
     B, N = 8, 32
     logits = torch.randn(B, N + 1, vocab, generator=g).to(dev, torch.bfloat16)
     parents = torch.tensor([[-1] * 4 + [int(torch.randint(0, i, (1,), generator=g)) for i in range(4, N)]] * B)

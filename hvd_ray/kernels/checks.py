@@ -11,8 +11,8 @@ kernel and the torch reference on them, and raises ``AssertionError`` on any dif
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -12,7 +12,7 @@ a ``[B, K+1, V]`` comparison) is written. Ties resolve to the first maximum, lik
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

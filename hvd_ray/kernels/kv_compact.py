@@ -12,7 +12,7 @@ and the copy is safe in place without the gathered temporary the torch path allo
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -20,7 +20,7 @@ only when the threshold falls within ~1e-16 of a CDF step: in practice never.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -16,7 +16,7 @@ of the rows on the accepted path (depth + 1 rows instead of N + 1).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

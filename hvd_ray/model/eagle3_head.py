@@ -48,16 +48,25 @@ from __future__ import annotations
 import glob
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .transformer import (KVCache, ModelConfig, RMSNorm, Transformer, apply_rope, linear, pack_linears, rope_cos_sin,
-                          rope_tables)
+from .transformer import (
+    KVCache,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    linear,
+    pack_linears,
+    rope_cos_sin,
+    rope_tables,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -126,7 +135,7 @@ class Eagle3Config:
         return cfg
 
     @classmethod
-    def from_hf(cls, cfg: dict, target: ModelConfig | None = None) -> "Eagle3Config":
+    def from_hf(cls, cfg: dict, target: ModelConfig | None = None) -> Eagle3Config:
         """Parse a head's config.json; ``target`` fills what published heads leave out."""
         arch = (cfg.get("architectures") or [ARCHITECTURE])[0]
         if arch != ARCHITECTURE:
@@ -406,7 +415,7 @@ class Eagle3Head(nn.Module):
         intermediate_size: int | None = None,
         dtype: torch.dtype | None = None,
         warm_start: bool = False,
-    ) -> "Eagle3Head":
+    ) -> Eagle3Head:
         """A new head shaped for ``target`` (same width, heads and RoPE): random, or warm-started.
 
         The draft vocabulary is ``draft_vocab_ids`` (sorted, deduplicated) or the first
@@ -494,7 +503,7 @@ class Eagle3Head(nn.Module):
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> "Eagle3Head":
+    def load(cls, folder: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> Eagle3Head:
         """Load a head folder (ours or a published one: safetensors, or ``pytorch_model.bin``)."""
         folder = Path(folder)
         cfg_path = folder / "config.json"

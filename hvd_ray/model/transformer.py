@@ -20,9 +20,10 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -309,7 +310,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, ctx: "_StepContext", layer: int) -> Tensor:
+    def forward(self, x: Tensor, ctx: _StepContext, layer: int) -> Tensor:
         # Plain F.linear / views rather than module calls: the per-token op count is what a
         # 135M model's decode step pays for on CPU.
         H, KV, D = self.n_heads, self.n_kv, self.hd
@@ -575,7 +576,7 @@ class Transformer(nn.Module):
             self._rope_len = max_len
         return self.cache
 
-    def with_own_cache(self) -> "Transformer":
+    def with_own_cache(self) -> Transformer:
         """The same weights (shared, not copied) with no KV cache yet: engines on it keep their own
         slots, e.g. benchmark methods side by side, where prefix reuse must not find the K/V another
         method left."""
@@ -611,8 +612,8 @@ class Transformer(nn.Module):
         Rows of different real lengths (a batch verifying drafts of different lengths) are packed:
         every token-wise layer (projections, MLP, norms, LM head) runs on the real tokens only, so a
         row pays for its own tokens, not for the longest row's; attention runs per run of rows of
-        one width, and only the K/V cache writes see the padded layout. ``packed_logits`` returns such rows' logits packed too (``ForwardOutput.row``),
-        without computing the padding's logits.
+        one width, and only the K/V cache writes see the padded layout. ``packed_logits`` returns such
+        rows' logits packed too (``ForwardOutput.row``), without computing the padding's logits.
         """
         cache = self.cache
         if cache is None:
@@ -711,7 +712,7 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(
         cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
-    ) -> "Transformer":
+    ) -> Transformer:
         """Load a Hugging Face Llama / Qwen2 / Qwen3 safetensors folder."""
         from safetensors.torch import load_file
 

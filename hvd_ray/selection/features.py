@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -79,10 +79,10 @@ class FeatureSpec:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FeatureSpec":
+    def from_dict(cls, d: dict) -> FeatureSpec:
         return cls(tuple(d["names"]), int(d["version"]))
 
-    def check(self, other: "FeatureSpec") -> None:
+    def check(self, other: FeatureSpec) -> None:
         if self != other:
             raise ValueError(f"feature spec mismatch: artifact has v{other.version} with "
                              f"{len(other.names)} features, code computes v{self.version} with "
@@ -122,7 +122,7 @@ class VocabFlags:
 
     @classmethod
     def from_texts(cls, texts: Sequence[str], special_ids: Iterable[int] = (),
-                   vocab_size: int | None = None) -> "VocabFlags":
+                   vocab_size: int | None = None) -> VocabFlags:
         """Flags of ``texts[i]`` for token i; rows past ``len(texts)`` (up to ``vocab_size``) are 0."""
         n = max(len(texts), vocab_size or 0)
         table = np.zeros((n, len(FLAGS)), np.float32)
@@ -132,11 +132,11 @@ class VocabFlags:
         return cls(table)
 
     @classmethod
-    def from_decode(cls, decode_one: Callable[[int], str], vocab_size: int) -> "VocabFlags":
+    def from_decode(cls, decode_one: Callable[[int], str], vocab_size: int) -> VocabFlags:
         return cls.from_texts([decode_one(i) for i in range(vocab_size)])
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int | None = None) -> "VocabFlags":
+    def from_tokenizer(cls, tokenizer, vocab_size: int | None = None) -> VocabFlags:
         """Each token's text as the tokenizer decodes it alone (special tokens kept)."""
         n = len(tokenizer)
         texts = tokenizer.batch_decode([[i] for i in range(n)])

@@ -22,8 +22,9 @@ from __future__ import annotations
 import abc
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -81,7 +82,7 @@ def verify_cost(k: int, table: dict[int, float] = VERIFY_COST) -> float:
     return interpolate(table, k)
 
 
-def draft_budget(req: "Request", engine: "Engine") -> int:
+def draft_budget(req: Request, engine: Engine) -> int:
     """The engine's draft budget for ``req`` this step (the cap it truncates every draft to)."""
     return engine.draft_budget(req)
 
@@ -191,7 +192,7 @@ class Policy(abc.ABC):
         """(source, predicted accepted length or None) for one step."""
 
     # ------------------------------------------------------------------ online
-    def observe(self, req: "Request", engine: "Engine") -> tuple[StepView, Draft, Draft]:
+    def observe(self, req: Request, engine: Engine) -> tuple[StepView, Draft, Draft]:
         """Draft from the cache at its own adaptive length and build φ_t on that draft cut to the
         model drafter's budget, exactly as trace replay does. Returns (view, nominal, long draft)."""
         budget = engine.draft_budget(req)
@@ -208,11 +209,11 @@ class Policy(abc.ABC):
                         context=len(req.prompt) + len(req.output))
         return view, draft, long
 
-    def __call__(self, req: "Request", engine: "Engine") -> Choice:
+    def __call__(self, req: Request, engine: Engine) -> Choice:
         view, _, long = self.observe(req, engine)
         return self._choice(*self.decide(view), long, view.take)
 
-    def cache_choice(self, req: "Request", engine: "Engine") -> Choice:
+    def cache_choice(self, req: Request, engine: Engine) -> Choice:
         """The cache draft as the cache drafter alone makes it (without the reach past the match
         HVD's drafter is configured with: drafted with offset 0, the match chosen is plain suffix
         decoding's; a remote drafter's prefetched draft is cut to its match-sized length instead):
@@ -272,7 +273,7 @@ class TauPolicy(Policy):
 
     name = "tau"
 
-    def __init__(self, predictor: "YieldPredictor", cache=None, model=None, flags=None,
+    def __init__(self, predictor: YieldPredictor, cache=None, model=None, flags=None,
                  tau: float = 6.0):
         super().__init__(cache, model, flags)
         self.predictor, self.tau = predictor, tau
@@ -335,8 +336,8 @@ class CostPolicy(Policy):
 
     name = "cost"
 
-    def __init__(self, predictor: "YieldPredictor", cache=None, model=None, flags=None, *,
-                 cost_table: "dict[int, float] | StepCosts" = VERIFY_COST,
+    def __init__(self, predictor: YieldPredictor, cache=None, model=None, flags=None, *,
+                 cost_table: dict[int, float] | StepCosts = VERIFY_COST,
                  model_token_cost: float = LAYERSKIP_TOKEN_COST,
                  model_accept: float | None = None, adapt: float = 0.05, prior_steps: float = 2.0,
                  union: bool = False):
@@ -532,7 +533,7 @@ class CostPolicy(Policy):
         if sums[1] > 0.05:
             self.cache_scale[key] = min(16.0, max(0.1, sums[0] / sums[1]))
 
-    def shadow(self, req: "Request", rec) -> None:
+    def shadow(self, req: Request, rec) -> None:
         """Score the cache drafts earlier decisions saw against the tokens emitted since (see the
         class docstring): the verified tokens on a cache step, a shadow label on any other. A draft
         is scored over its whole length once the output leaves it or covers it, and waits until then

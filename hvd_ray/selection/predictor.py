@@ -10,8 +10,8 @@ can be inspected, diffed and loaded without running code from it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -59,7 +59,7 @@ class YieldPredictor:
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
     def from_sklearn(cls, mlp, mean: np.ndarray, scale: np.ndarray, spec: FeatureSpec = SPEC,
-                     meta: dict | None = None) -> "YieldPredictor":
+                     meta: dict | None = None) -> YieldPredictor:
         """From a fitted ``MLPRegressor`` (ReLU hidden layers, identity output) and the
         ``StandardScaler`` statistics it was trained behind."""
         if getattr(mlp, "activation", "relu") != "relu" or getattr(mlp, "out_activation_", "identity") != "identity":
@@ -86,7 +86,7 @@ class YieldPredictor:
         return folder
 
     @classmethod
-    def load(cls, path: str | Path, spec: FeatureSpec | None = SPEC) -> "YieldPredictor":
+    def load(cls, path: str | Path, spec: FeatureSpec | None = SPEC) -> YieldPredictor:
         """Load an artifact folder (or its ``predictor.json``); checks the feature spec against
         ``spec`` (the code's) unless ``spec`` is None."""
         path = Path(path)

@@ -163,7 +163,7 @@ class ServingConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ServingConfig":
+    def _consistent(self) -> ServingConfig:
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("set either num_replicas or autoscaling_config, not both")
         if self.max_tokens >= self.max_model_len:

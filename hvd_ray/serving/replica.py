@@ -306,7 +306,7 @@ class ReplicaFront:
                 text, start = tools.render(self.tok, req["messages"], req.get("tools"), req.get("tool_choice"),
                                            req.get("template_kwargs"))
             except Exception as e:  # noqa: BLE001 - a template rejecting the conversation is a client error
-                raise _ClientError(f"the chat template rejected the messages: {e}", "messages")
+                raise _ClientError(f"the chat template rejected the messages: {e}", "messages") from e
             return self.tok(text + start, add_special_tokens=False)["input_ids"], "messages", start
         if req.get("prompt_token_ids") is not None:
             ids = list(req["prompt_token_ids"])
@@ -334,7 +334,7 @@ class ReplicaFront:
         try:
             return SamplingParams(**sp)
         except (TypeError, ValueError) as e:
-            raise _ClientError(str(e), None)
+            raise _ClientError(str(e), None) from e
 
     async def generate(self, req: dict):
         """Stream one request: start|error, then delta events, then finish."""

@@ -39,8 +39,8 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Hashable, Sequence
 from itertools import islice
-from typing import Hashable, Sequence
 
 import ray
 
@@ -164,7 +164,7 @@ def service_actor(name: str = DEFAULT_NAME, config: dict | None = None, num_cpus
                        max_concurrency=1).remote(config, history, ident)
 
 
-def service_actors(name: str = DEFAULT_NAME) -> dict[str, "ray.actor.ActorHandle"]:
+def service_actors(name: str = DEFAULT_NAME) -> dict[str, ray.actor.ActorHandle]:
     """The live service actors created under base ``name`` (one per identity), by full name."""
     found = {}
     for a in ray.util.list_named_actors(all_namespaces=True):

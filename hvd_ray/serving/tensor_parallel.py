@@ -8,7 +8,8 @@ list once per step: the requests added and aborted since the last step, then ``s
 stay in lockstep without exchanging any decisions, because everything an engine decides from is
 identical on every rank: the all-reduced hidden states (hence the replicated LM head's logits),
 greedy argmax, seeded samplers (the driver fixes a seed for requests that have none), the
-drafters' state and, for the cost policy, rank 0's timings (``model.tp.rank0_values``). Only rank 0's outputs are returned; one Ray round trip per rank per step.
+drafters' state and, for the cost policy, rank 0's timings (``model.tp.rank0_values``). Only rank
+0's outputs are returned; one Ray round trip per rank per step.
 
 :class:`TensorParallelEngine` has the ``Engine`` surface the serving replica's ``EngineLoop``
 uses (``add_request``, ``abort``, ``step``, ``has_unfinished``, ``waiting``, ``running``,
@@ -26,10 +27,11 @@ import secrets
 import socket
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 
@@ -224,7 +226,7 @@ class TensorParallelEngine:
         self.closed = False
 
     @classmethod
-    def from_serving_config(cls, cfg) -> "TensorParallelEngine":
+    def from_serving_config(cls, cfg) -> TensorParallelEngine:
         """Build from a :class:`~hvd_ray.serving.config.ServingConfig` with ``tensor_parallel_size > 1``."""
         spec = TPEngineSpec(model=cfg.model, dtype=cfg.dtype, device=cfg.device, engine=cfg.engine_spec(),
                             torch_threads=cfg.torch_threads, step_timeout_s=cfg.step_timeout_s)

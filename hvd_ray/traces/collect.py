@@ -23,10 +23,11 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -301,7 +302,7 @@ class TraceWriter:
                 fcntl.flock(self._lock, fcntl.LOCK_UN)
                 self._lock.close()
 
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -489,7 +490,7 @@ class TraceActor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         gens = self.gen.generate([r["prompt_tokens"] for r in rows], self.max_tokens)
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         out = [{"prompt_id": r["prompt_id"], "workload": r["workload"], "split": r["split"], "seq": r["seq"],
                 "prompt_tokens": r["prompt_tokens"], "output_tokens": g.output_tokens,
                 "finish_reason": g.finish_reason, **self.fixed, "prefill_s": g.prefill_s,

@@ -8,8 +8,8 @@ from empty. Only outputs go in (as serving would add them), never prompts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 __all__ = ["past_outputs", "warm_global_tree"]
 

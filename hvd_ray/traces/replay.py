@@ -48,9 +48,9 @@ from __future__ import annotations
 import bisect
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -58,8 +58,8 @@ import torch
 
 from ..drafters.base import Draft, DraftRequest
 from ..drafters.eagle3 import Eagle3Drafter, _ReqState
-from ..model.transformer import KVCache
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
+from ..model.transformer import KVCache
 from ..selection.features import SPEC, VocabFlags, features
 from ..selection.policy import CACHE, MODEL, Policy, ScoreRule, StepView
 from ..workloads.turns import is_second_turn
@@ -279,8 +279,8 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
     drafter's global tree must already hold the earlier traces; the trace goes through
     begin/accept/end as request ``rid``, default ``trace.rid``). Returns ``LABEL_SCHEMA`` columns,
     ``regime`` filled in. ``drafts``, if given, collects the cache draft at each t (tests)."""
-    P, O = trace.prompt, trace.output
-    N = len(O)
+    P, out = trace.prompt, trace.output
+    N = len(out)
     if y_model is None:
         y_model = np.zeros(N, np.int32)
         model_len = np.zeros(N, np.int32)
@@ -292,18 +292,18 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
     rid = rid or trace.rid
     drafter.begin(rid, P)
     if N:
-        drafter.accept(rid, O[:1])
+        drafter.accept(rid, out[:1])
     hist: list[tuple[bool, int]] = []
     next_step = 1
     for t in range(1, N):
         budget = int(budgets[t])
         draft = drafter.speculate(rid, budget)
-        yc = longest_match(draft, O, t)
+        yc = longest_match(draft, out, t)
         start = t == next_step
         # history = the run's steps completed by t: between step starts, the step in flight (which
         # covers t) is left out, since its outcome reveals how far the continuation matched
         phi = features(draft, prompt_len=len(P), generated=t, max_tokens=trace.max_tokens,
-                       last_token=O[t - 1], history=hist if start else hist[:-1], flags=flags)
+                       last_token=out[t - 1], history=hist if start else hist[:-1], flags=flags)
         sim_cache = None
         if start:
             view = StepView(phi, len(draft), min(model_depth, budget), yc, int(y_model[t]))
@@ -319,7 +319,7 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
                      ("cache_score", float(draft.score)), ("cache_source", draft.source), ("y_cache", yc),
                      ("model_len", int(model_len[t])), ("y_model", int(y_model[t]))):
             cols[k].append(v)
-        drafter.accept(rid, O[t:t + 1])
+        drafter.accept(rid, out[t:t + 1])
     drafter.end(rid)
     n = len(cols["t"])
     cols.update(prompt_id=[trace.prompt_id] * n, workload=[trace.workload] * n, split=[trace.split] * n,

@@ -11,14 +11,23 @@ labels, exactly what greedy verification of the tree accepts, and pays for both 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from ..selection.features import with_history
-from ..selection.policy import (CACHE, LAYERSKIP_TOKEN_COST, MODEL, NONE, UNION, VERIFY_COST, Policy, StepView,
-                                verify_cost)
+from ..selection.policy import (
+    CACHE,
+    LAYERSKIP_TOKEN_COST,
+    MODEL,
+    NONE,
+    UNION,
+    VERIFY_COST,
+    Policy,
+    StepView,
+    verify_cost,
+)
 
 
 @dataclass
@@ -46,7 +55,7 @@ class SimResult:
     cost: float = 0.0  # decode cost in units of a 1-token target forward (verify + model drafting)
     predicted: list[float] = field(default_factory=list)
 
-    def add(self, o: "SimResult") -> None:
+    def add(self, o: SimResult) -> None:
         for k in ("traces", "tokens", "steps", "cache_steps", "model_steps", "union_steps", "accepted", "cost"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         self.predicted += o.predicted
@@ -137,11 +146,11 @@ def trace_labels_from_table(table) -> list[TraceLabels]:
             continue
         t = cols["t"][idx]
         n = int(t[0] + cols["remaining"][idx][0])
-        arr = lambda c: _scatter(n, t, cols[c][idx])  # noqa: E731
         P = np.zeros((n, phi.shape[1]), np.float32)
         P[t] = phi[idx]
-        out.append(TraceLabels(n, P, arr("cache_len"), arr("y_cache"), arr("model_len"), arr("y_model"),
-                               arr("budget")))
+        cache_len, y_cache, model_len, y_model, budget = (
+            _scatter(n, t, cols[c][idx]) for c in ("cache_len", "y_cache", "model_len", "y_model", "budget"))
+        out.append(TraceLabels(n, P, cache_len, y_cache, model_len, y_model, budget))
     return out
 
 

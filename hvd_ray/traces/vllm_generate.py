@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def vllm_env(python: str) -> dict:

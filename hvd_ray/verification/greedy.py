@@ -7,7 +7,7 @@ so the result is token-identical to plain greedy decoding with the same logits.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -12,7 +12,7 @@ for the sampled token) instead of one per draft token.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -42,9 +42,9 @@ engine's one decoding step (``Engine._decode``: ``_slim_pass`` then the full ver
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

@@ -7,7 +7,7 @@ always precede their children, so one pass in order is enough for every helper h
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -40,8 +40,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,8 +51,7 @@ from ..drafters.suffix import SuffixConfig, SuffixDrafter
 from ..engine.request import StepRecord
 from ..selection.features import VocabFlags, features
 from ..selection.hvd import EAGLE3_TOKEN_COST, load_predictor, suffix_config
-from ..selection.policy import (CACHE, MODEL, NONE, VERIFY_COST, CostPolicy, StepView, TauPolicy, nominal,
-                                unextended)
+from ..selection.policy import CACHE, MODEL, NONE, VERIFY_COST, CostPolicy, StepView, TauPolicy, nominal, unextended
 
 # The draft length φ_t describes: the engine's default model-drafter budget, the one trace replay
 # labelled the predictor's training rows at.

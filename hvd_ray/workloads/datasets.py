@@ -20,8 +20,8 @@ import gzip
 import importlib.util
 import itertools
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from .prompts import WORKLOADS, Prompt, check_split, split_of
 
@@ -87,7 +87,7 @@ Make sure every argument has the right type. If no function call is needed, make
 {{"name": "func_name1", "arguments": {{"argument1": "value1", "argument2": "value2"}}}},
 ... (more tool calls as required)
 ]</tool_call>
-"""
+"""  # noqa: E501 - a prompt text, kept byte for byte
 _FC_MULTI_EXTRA = (
     "At each turn, try your best to complete the tasks requested by the user within the current turn. "
     "Keep calling functions until you have fulfilled the request; once you have no more functions to call, "

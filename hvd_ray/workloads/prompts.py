@@ -64,7 +64,7 @@ class Prompt:
         }
 
     @classmethod
-    def from_record(cls, row: dict[str, Any]) -> "Prompt":
+    def from_record(cls, row: dict[str, Any]) -> Prompt:
         meta = row.get("meta_json")
         return cls(
             id=row["id"],

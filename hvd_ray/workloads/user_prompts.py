@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .prompts import WORKLOADS, Prompt, check_messages
 
@@ -35,8 +36,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
-    for n, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-        yield n, row
+    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
 
 
 def _prompt_from_row(row: Any, where: str) -> Prompt:
