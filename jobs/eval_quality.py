@@ -53,21 +53,45 @@ def make_engine(method: str, model, tok, args, max_batch: int, max_len: int) -> 
     """``greedy`` | ``D`` | ``D+lossless`` | ``D+tiered`` for a drafter name D (the slim tier with
     this job's gates, hence built here)."""
     drafter_name, _, mode = method.partition("+")
-    spec = EngineSpec(drafter="none" if drafter_name == "greedy" else drafter_name, max_batch=max_batch,
-                      max_len=max_len, num_draft_tokens=args.num_draft_tokens)
+    spec = EngineSpec(
+        drafter="none" if drafter_name == "greedy" else drafter_name,
+        max_batch=max_batch,
+        max_len=max_len,
+        num_draft_tokens=args.num_draft_tokens,
+    )
     return build_engine(spec, model, tok, slim_tier=slim_tier(mode, args, model.cfg.n_layers) if mode else None)
 
 
 def bench_speed(model, tok, args) -> tuple[list[str], dict]:
     prompts = prompt_ids(tok, args.workloads, args.per_workload, args.max_prompt_tokens)
     max_len = args.max_prompt_tokens + args.max_tokens + args.num_draft_tokens + 64
-    methods = ["greedy"] + [f"{d}{m}" for d in args.drafters
-                            for m in ("", "+lossless", "+tiered") + (("+tiered-strict",) if args.strict else ())]
+    methods = ["greedy"] + [
+        f"{d}{m}"
+        for d in args.drafters
+        for m in ("", "+lossless", "+tiered") + (("+tiered-strict",) if args.strict else ())
+    ]
     engines = {m: make_engine(m, model, tok, args, 1, max_len) for m in methods}
     params = SamplingParams(max_tokens=args.max_tokens)
     engines["greedy"].generate([prompts[0][2]], params)  # warm-up
-    acc = {m: dict(tokens=0, time=0.0, full=0, slim=0, steps=0, dec=0, drafted=0, accepted=0, s_acc=0, s_regen=0,
-                   s_esc=0, identical=0, prefix=0.0, n=0) for m in methods}
+    acc = {
+        m: dict(
+            tokens=0,
+            time=0.0,
+            full=0,
+            slim=0,
+            steps=0,
+            dec=0,
+            drafted=0,
+            accepted=0,
+            s_acc=0,
+            s_regen=0,
+            s_esc=0,
+            identical=0,
+            prefix=0.0,
+            n=0,
+        )
+        for m in methods
+    }
     for i, (_w, pid, ids) in enumerate(prompts):
         ref = None
         for m in methods:
@@ -92,9 +116,11 @@ def bench_speed(model, tok, args) -> tuple[list[str], dict]:
             a["n"] += 1
         print(f"[speed {i + 1}/{len(prompts)}] {pid}", file=sys.stderr, flush=True)
     g_tps = acc["greedy"]["tokens"] / acc["greedy"]["time"]
-    lines = ["| method | MAT | rejection | full fwd/1k | slim fwd/1k | slim acc / regen / esc | tok/s | vs greedy "
-             "| vs two-tier | identical to greedy | prefix agreement |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| method | MAT | rejection | full fwd/1k | slim fwd/1k | slim acc / regen / esc | tok/s | vs greedy "
+        "| vs two-tier | identical to greedy | prefix agreement |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for m in methods:
         a = acc[m]
         tps = a["tokens"] / a["time"]
@@ -104,7 +130,8 @@ def bench_speed(model, tok, args) -> tuple[list[str], dict]:
         lines.append(
             f"| {m} | {a['dec'] / max(a['steps'], 1):.2f} | {rej:.0%} | {1000 * a['full'] / a['tokens']:.0f} | "
             f"{1000 * a['slim'] / a['tokens']:.0f} | {a['s_acc']} / {a['s_regen']} / {a['s_esc']} | {tps:.1f} | "
-            f"{tps / g_tps:.2f}x | {tps / two_tps:.2f}x | {a['identical']}/{a['n']} | {a['prefix'] / a['n']:.0%} |")
+            f"{tps / g_tps:.2f}x | {tps / two_tps:.2f}x | {a['identical']}/{a['n']} | {a['prefix'] / a['n']:.0%} |"
+        )
     return lines, acc
 
 
@@ -117,12 +144,14 @@ def quality_prompts(tok, args):
 
 def bench_quality(model, tok, args) -> tuple[list[str], dict]:
     he, bf = quality_prompts(tok, args)
-    items = [(p, SamplingParams(max_tokens=args.humaneval_tokens)) for p in he] + \
-            [(p, SamplingParams(max_tokens=args.bfcl_tokens)) for p in bf]
+    items = [(p, SamplingParams(max_tokens=args.humaneval_tokens)) for p in he] + [
+        (p, SamplingParams(max_tokens=args.bfcl_tokens)) for p in bf
+    ]
     ids = [tok(render(p, tok), add_special_tokens=False)["input_ids"] for p, _ in items]
     max_len = max(map(len, ids)) + max(args.humaneval_tokens, args.bfcl_tokens) + args.num_draft_tokens + 64
-    methods = ["greedy"] + [f"{d}+{m}" for d in args.drafters
-                            for m in ("tiered",) + (("tiered-strict",) if args.strict else ())]
+    methods = ["greedy"] + [
+        f"{d}+{m}" for d in args.drafters for m in ("tiered",) + (("tiered-strict",) if args.strict else ())
+    ]
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     for m in methods:
@@ -132,29 +161,47 @@ def bench_quality(model, tok, args) -> tuple[list[str], dict]:
         dt = time.perf_counter() - t0
         outputs[m] = [r.output for r in reqs]
         texts = [tok.decode(r.output, skip_special_tokens=True) for r in reqs]
-        he_pass = [run_tests(extract_code(t, p.raw, p.meta["entry_point"]) + "\n\n" + p.meta["test"]
-                             + f"\n\ncheck({p.meta['entry_point']})\n")
-                   for (p, _), t in zip(items[: len(he)], texts[: len(he)])]
-        bf_ok = [bfcl_match(parse_tool_calls(t), p.meta["ground_truth"])
-                 for (p, _), t in zip(items[len(he):], texts[len(he):])]
+        he_pass = [
+            run_tests(
+                extract_code(t, p.raw, p.meta["entry_point"])
+                + "\n\n"
+                + p.meta["test"]
+                + f"\n\ncheck({p.meta['entry_point']})\n"
+            )
+            for (p, _), t in zip(items[: len(he)], texts[: len(he)])
+        ]
+        bf_ok = [
+            bfcl_match(parse_tool_calls(t), p.meta["ground_truth"])
+            for (p, _), t in zip(items[len(he) :], texts[len(he) :])
+        ]
         full = sum(r.stats.target_forwards for r in reqs)
         toks = sum(len(r.output) for r in reqs)
-        results[m] = dict(humaneval=sum(he_pass) / max(len(he_pass), 1), he_pass=sum(he_pass),
-                          bfcl=sum(bf_ok) / max(len(bf_ok), 1), bf_ok=sum(bf_ok), time=dt, tokens=toks,
-                          full_per_1k=1000 * full / max(toks, 1))
+        results[m] = dict(
+            humaneval=sum(he_pass) / max(len(he_pass), 1),
+            he_pass=sum(he_pass),
+            bfcl=sum(bf_ok) / max(len(bf_ok), 1),
+            bf_ok=sum(bf_ok),
+            time=dt,
+            tokens=toks,
+            full_per_1k=1000 * full / max(toks, 1),
+        )
         print(f"[quality] {m}: {results[m]}", file=sys.stderr, flush=True)
     g = outputs["greedy"]
-    lines = [f"| method | HumanEval pass@1 (n={len(he)}) | Δ vs greedy | BFCL exact match (n={len(bf)}) | "
-             "Δ vs greedy | outputs identical to greedy | prefix agreement | full fwd/1k |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"| method | HumanEval pass@1 (n={len(he)}) | Δ vs greedy | BFCL exact match (n={len(bf)}) | "
+        "Δ vs greedy | outputs identical to greedy | prefix agreement | full fwd/1k |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for m in methods:
         r, out = results[m], outputs[m]
         same = sum(a == b for a, b in zip(out, g))
         pre = sum(prefix_agreement(a, b) for a, b in zip(out, g)) / len(g)
-        lines.append(f"| {m} | {100 * r['humaneval']:.1f}% ({r['he_pass']}) | "
-                     f"{100 * (r['humaneval'] - results['greedy']['humaneval']):+.1f} pt | "
-                     f"{100 * r['bfcl']:.1f}% ({r['bf_ok']}) | {100 * (r['bfcl'] - results['greedy']['bfcl']):+.1f} pt | "
-                     f"{same}/{len(g)} | {pre:.0%} | {r['full_per_1k']:.0f} |")
+        lines.append(
+            f"| {m} | {100 * r['humaneval']:.1f}% ({r['he_pass']}) | "
+            f"{100 * (r['humaneval'] - results['greedy']['humaneval']):+.1f} pt | "
+            f"{100 * r['bfcl']:.1f}% ({r['bf_ok']}) | {100 * (r['bfcl'] - results['greedy']['bfcl']):+.1f} pt | "
+            f"{same}/{len(g)} | {pre:.0%} | {r['full_per_1k']:.0f} |"
+        )
     return lines, results
 
 
@@ -202,32 +249,44 @@ def main() -> None:
         "",
     ]
     if speed:
-        lines += [
-            f"## Speed (batch 1, {args.per_workload} held-out prompts per workload {args.workloads}, up to "
-            f"{args.max_tokens} new tokens, methods interleaved per prompt)",
-            "",
-            "MAT = tokens emitted per decode step; rejection = 1 − accepted / drafted over the drafts each step "
-            "finally judged (lossless and escalated steps: the q'-repaired draft q verified; slim-settled steps: "
-            "the drafter's draft); full fwd/1k = full-target forwards (prefill included) per 1,000 tokens; "
-            "slim acc / regen / esc = draft tokens q' accepted / tokens q' supplied (repair, regeneration, bonus) "
-            "/ draft tokens escalated to q; vs two-tier = tok/s over the same drafter without the slim tier; "
-            "identical / prefix agreement = against greedy's output in this run (bf16: batch-shape rounding "
-            "may flip near-ties even for lossless methods).",
-            "",
-        ] + speed + [""]
+        lines += (
+            [
+                f"## Speed (batch 1, {args.per_workload} held-out prompts per workload {args.workloads}, up to "
+                f"{args.max_tokens} new tokens, methods interleaved per prompt)",
+                "",
+                "MAT = tokens emitted per decode step; rejection = 1 − accepted / drafted over the drafts each step "
+                "finally judged (lossless and escalated steps: the q'-repaired draft q verified; slim-settled steps: "
+                "the drafter's draft); full fwd/1k = full-target forwards (prefill included) per 1,000 tokens; "
+                "slim acc / regen / esc = draft tokens q' accepted / tokens q' supplied (repair, regeneration, bonus) "
+                "/ draft tokens escalated to q; vs two-tier = tok/s over the same drafter without the slim tier; "
+                "identical / prefix agreement = against greedy's output in this run (bf16: batch-shape rounding "
+                "may flip near-ties even for lossless methods).",
+                "",
+            ]
+            + speed
+            + [""]
+        )
     if quality:
-        lines += [
-            f"## Task quality (batch {args.batch}; HumanEval: first {args.humaneval} problems, up to "
-            f"{args.humaneval_tokens} tokens; BFCL: first {args.bfcl} prompts of {list(BFCL_CATEGORIES)} "
-            f"interleaved, up to {args.bfcl_tokens} tokens)",
-            "",
-            "Lossless modes equal greedy by construction (q verifies every token; token-identical in fp32, "
-            "tests/test_tiered.py), so only tiered modes are scored separately. HumanEval tests ran "
-            + f"in this sandbox: {sandbox_info()['summary']}.",
-            "",
-        ] + quality + [""]
-    text = "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(
-        {"speed": s_raw, "quality": q_raw}, indent=1) + "\n```\n</details>\n"
+        lines += (
+            [
+                f"## Task quality (batch {args.batch}; HumanEval: first {args.humaneval} problems, up to "
+                f"{args.humaneval_tokens} tokens; BFCL: first {args.bfcl} prompts of {list(BFCL_CATEGORIES)} "
+                f"interleaved, up to {args.bfcl_tokens} tokens)",
+                "",
+                "Lossless modes equal greedy by construction (q verifies every token; token-identical in fp32, "
+                "tests/test_tiered.py), so only tiered modes are scored separately. HumanEval tests ran "
+                + f"in this sandbox: {sandbox_info()['summary']}.",
+                "",
+            ]
+            + quality
+            + [""]
+        )
+    text = (
+        "\n".join(lines)
+        + "\n<details><summary>raw</summary>\n\n```json\n"
+        + json.dumps({"speed": s_raw, "quality": q_raw}, indent=1)
+        + "\n```\n</details>\n"
+    )
     if args.out:
         Path(args.out).write_text(text)
     print(text)

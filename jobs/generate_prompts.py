@@ -40,8 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="first sample's seed; sample i uses seed + i")
     p.add_argument("--minutes", type=float, default=None, help="stop after this long (resume later)")
-    p.add_argument("--openers", nargs="+", default=None,
-                   help="words each message starts with, in turn (sample i gets opener i mod n)")
+    p.add_argument(
+        "--openers",
+        nargs="+",
+        default=None,
+        help="words each message starts with, in turn (sample i gets opener i mod n)",
+    )
     args = p.parse_args(argv)
     if args.count < 1 or args.batch_size < 1 or args.max_tokens < 1:
         p.error("--count, --batch-size and --max-tokens must be >= 1")
@@ -81,8 +85,7 @@ def main(argv=None) -> int:
     openers = [o.strip() for o in args.openers] if args.openers else [""]
     slugs = ["/" + "-".join(dedup_key(o).split()) if o else "" for o in openers]  # id part per opener
     prefixes = [tok(user_turn_prefix(tok) + o, add_special_tokens=False)["input_ids"] for o in openers]
-    engine = Engine(model, max_batch=args.batch_size,
-                    max_len=max(map(len, prefixes)) + args.max_tokens + 16)
+    engine = Engine(model, max_batch=args.batch_size, max_len=max(map(len, prefixes)) + args.max_tokens + 16)
     t0, drawn, kept0 = time.time(), 0, len(keys)
     with open(out, "a", encoding="utf-8") as f:
         while len(keys) < args.count:
@@ -90,20 +93,32 @@ def main(argv=None) -> int:
                 print("time budget reached; rerun to continue")
                 break
             seeds = range(sample, sample + args.batch_size)
-            params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                     top_p=args.top_p, seed=args.seed + s) for s in seeds]
+            params = [
+                SamplingParams(
+                    max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed + s
+                )
+                for s in seeds
+            ]
             reqs = engine.generate([prefixes[s % len(openers)] for s in seeds], params)
             for s, req in zip(seeds, reqs):
                 opener = openers[s % len(openers)]
                 sampled = tok.decode(req.output, skip_special_tokens=True)
-                text = clean_query(f"{opener} {sampled.lstrip()}" if opener else sampled) \
-                    if req.finish_reason == "stop" else None
+                text = (
+                    clean_query(f"{opener} {sampled.lstrip()}" if opener else sampled)
+                    if req.finish_reason == "stop"
+                    else None
+                )
                 key = dedup_key(text) if text is not None else None
                 if key is None or key in keys or len(keys) >= args.count:
                     continue
                 keys.add(key)
-                row = {"id": f"self_chat{slugs[s % len(openers)]}/{args.seed + s}", "prompt": text, "workload": "chat",
-                       "sample": s, "source": "self_chat"}
+                row = {
+                    "id": f"self_chat{slugs[s % len(openers)]}/{args.seed + s}",
+                    "prompt": text,
+                    "workload": "chat",
+                    "sample": s,
+                    "source": "self_chat",
+                }
                 if opener:
                     row["opener"] = opener
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -111,8 +126,10 @@ def main(argv=None) -> int:
             sample += args.batch_size
             drawn += len(params)
             dt = time.time() - t0
-            print(f"{len(keys)}/{args.count} prompts  (kept {len(keys) - kept0} of {drawn} sampled, "
-                  f"{dt:.0f} s)", flush=True)
+            print(
+                f"{len(keys)}/{args.count} prompts  (kept {len(keys) - kept0} of {drawn} sampled, {dt:.0f} s)",
+                flush=True,
+            )
     return 0
 
 

@@ -54,9 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tree", action="store_true", help="suffix tree drafts instead of chains")
     ap.add_argument("--sim-tau", type=float, default=6.0, help="τ of the simulated decoding run")
     ap.add_argument("--sim-predictor", default=None, help="predictor artifact for the simulated run")
-    ap.add_argument("--repeat", action="store_true",
-                    help="also label each trace replayed again right after, its own output in the global tree "
-                         "(regime 'repeat': retries, agent loops re-sending context)")
+    ap.add_argument(
+        "--repeat",
+        action="store_true",
+        help="also label each trace replayed again right after, its own output in the global tree "
+        "(regime 'repeat': retries, agent loops re-sending context)",
+    )
     ap.add_argument("--chunk", type=int, default=32, help="traces per batch")
     ap.add_argument("--batch-slots", type=int, default=8, help="positions drafted per model forward")
     ap.add_argument("--actors", type=int, default=1)
@@ -69,12 +72,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def replay_config(a: argparse.Namespace) -> ReplayConfig:
     return ReplayConfig(
-        model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, model_drafter=a.model_drafter,
-        skip=a.skip, depth=a.depth, min_prob=a.min_prob, draft_model=a.draft_model, eagle3_head=a.eagle3_head,
+        model=a.model,
+        tokenizer=a.tokenizer,
+        dtype=a.dtype,
+        device=a.device,
+        model_drafter=a.model_drafter,
+        skip=a.skip,
+        depth=a.depth,
+        min_prob=a.min_prob,
+        draft_model=a.draft_model,
+        eagle3_head=a.eagle3_head,
         eagle3_tree=a.eagle3_tree,
-        max_draft=a.max_draft, suffix={"max_cached_requests": a.max_cached, "use_tree_spec": a.tree},
-        sim_tau=a.sim_tau, sim_predictor=a.sim_predictor, repeat=a.repeat, batch_slots=a.batch_slots,
-        threads=a.threads or max(1, int(a.num_cpus)))
+        max_draft=a.max_draft,
+        suffix={"max_cached_requests": a.max_cached, "use_tree_spec": a.tree},
+        sim_tau=a.sim_tau,
+        sim_predictor=a.sim_predictor,
+        repeat=a.repeat,
+        batch_slots=a.batch_slots,
+        threads=a.threads or max(1, int(a.num_cpus)),
+    )
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -84,8 +100,9 @@ def run(a: argparse.Namespace) -> dict:
     traces, out = str(Path(a.traces).resolve()), Path(a.out).resolve()
     cfg = replay_config(a)
     if not ray.is_initialized():
-        ray.init(address=a.address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False,
-                 include_dashboard=False)
+        ray.init(
+            address=a.address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False, include_dashboard=False
+        )
     t0 = time.time()
     # Traces are small (token ids): read them here, sort by arrival, and hand Ray Data blocks that
     # are contiguous runs of ``seq`` (no distributed sort needed for a few MB).

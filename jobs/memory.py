@@ -59,21 +59,37 @@ def run_drafter(args: argparse.Namespace, drafter: str, queue) -> None:
     torch.set_num_threads(args.threads)
     model, tok = load("default", dtype=args.dtype)
     engine = build_engine(EngineSpec(drafter=drafter, max_batch=args.max_batch), model, tok)
-    prompts = [tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for m in real_prompts(max_chars=2000)]
+    prompts = [
+        tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for m in real_prompts(max_chars=2000)
+    ]
     rng = random.Random(args.seed)
     tracemalloc.start()
     for wave in range(args.waves):
         for _ in range(args.requests):
             sampled = rng.random() < 0.5
-            engine.add_request(rng.choice(prompts), SamplingParams(
-                max_tokens=args.max_tokens, temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1.0,
-                seed=rng.randrange(2**31)))
+            engine.add_request(
+                rng.choice(prompts),
+                SamplingParams(
+                    max_tokens=args.max_tokens,
+                    temperature=0.8 if sampled else 0.0,
+                    top_p=0.95 if sampled else 1.0,
+                    seed=rng.randrange(2**31),
+                ),
+            )
         while engine.has_unfinished():
             engine.step()
         gc.collect()
-        row = {"drafter": drafter, "wave": wave + 1, "requests": (wave + 1) * args.requests, "rss_mib": _rss_mib(),
-               "python_mib": tracemalloc.get_traced_memory()[0] / 2**20, "tensor_mib": _tensor_mib()}
+        row = {
+            "drafter": drafter,
+            "wave": wave + 1,
+            "requests": (wave + 1) * args.requests,
+            "rss_mib": _rss_mib(),
+            "python_mib": tracemalloc.get_traced_memory()[0] / 2**20,
+            "tensor_mib": _tensor_mib(),
+        }
         print(json.dumps(row), file=sys.stderr, flush=True)
         queue.put(row)
     queue.put(None)
@@ -83,24 +99,39 @@ def report(args: argparse.Namespace, rows: list[dict]) -> str:
     from hvd_ray.bench.machine import command, machine_line
 
     by = {d: [r for r in rows if r["drafter"] == d] for d in args.drafters}
-    lines = ["# Engine memory under a long mixed load", "", f"Command: `{command('jobs/memory.py')}`  ",
-             f"Machine: {machine_line()}", "", __doc__.split("\n\n", 2)[2].strip(), "",
-             "| drafter | requests | RSS after the first wave MiB | RSS at the end MiB | RSS growth over the second half "
-             "MiB per request | Python heap first -> last MiB | live tensors first -> last MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "# Engine memory under a long mixed load",
+        "",
+        f"Command: `{command('jobs/memory.py')}`  ",
+        f"Machine: {machine_line()}",
+        "",
+        __doc__.split("\n\n", 2)[2].strip(),
+        "",
+        "| drafter | requests | RSS after the first wave MiB | RSS at the end MiB | RSS growth over the second half "
+        "MiB per request | Python heap first -> last MiB | live tensors first -> last MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for d, rs in by.items():
         if not rs:
             continue
         mid, last = rs[len(rs) // 2], rs[-1]
         per = (last["rss_mib"] - mid["rss_mib"]) / max(1, last["requests"] - mid["requests"])
-        lines.append(f"| `{d}` | {last['requests']} | {rs[0]['rss_mib']:.0f} | {last['rss_mib']:.0f} | {per:.2f} | "
-                     f"{rs[0]['python_mib']:.1f} -> {last['python_mib']:.1f} | "
-                     f"{rs[0]['tensor_mib']:.0f} -> {last['tensor_mib']:.0f} |")
-    lines += ["", "RSS after each wave (MiB):", "", "| wave | " + " | ".join(f"`{d}`" for d in by) + " |",
-              "| --- |" + " --- |" * len(by)]
+        lines.append(
+            f"| `{d}` | {last['requests']} | {rs[0]['rss_mib']:.0f} | {last['rss_mib']:.0f} | {per:.2f} | "
+            f"{rs[0]['python_mib']:.1f} -> {last['python_mib']:.1f} | "
+            f"{rs[0]['tensor_mib']:.0f} -> {last['tensor_mib']:.0f} |"
+        )
+    lines += [
+        "",
+        "RSS after each wave (MiB):",
+        "",
+        "| wave | " + " | ".join(f"`{d}`" for d in by) + " |",
+        "| --- |" + " --- |" * len(by),
+    ]
     for w in range(args.waves):
-        lines.append(f"| {w + 1} | " + " | ".join(f"{rs[w]['rss_mib']:.0f}" if w < len(rs) else "" for rs in by.values())
-                     + " |")
+        lines.append(
+            f"| {w + 1} | " + " | ".join(f"{rs[w]['rss_mib']:.0f}" if w < len(rs) else "" for rs in by.values()) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

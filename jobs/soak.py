@@ -47,12 +47,23 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32, help="per request (default 32)")
-    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="a serving config key (hvd_ray/serving/config.py), e.g. dtype=float32")
+    ap.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a serving config key (hvd_ray/serving/config.py), e.g. dtype=float32",
+    )
     ap.add_argument("--fuzz-examples", type=int, default=50, help="schemathesis examples per route and mode")
     ap.add_argument("--phases", nargs="+", default=PHASES, choices=PHASES)
-    ap.add_argument("--overload", nargs="+", type=int, default=[2, 8, 32], metavar="X",
-                    help="overload levels: clients as a multiple of the KV slots (default 2 8 32)")
+    ap.add_argument(
+        "--overload",
+        nargs="+",
+        type=int,
+        default=[2, 8, 32],
+        metavar="X",
+        help="overload levels: clients as a multiple of the KV slots (default 2 8 32)",
+    )
     ap.add_argument("--out", default="benchmarks/reliability.md")
     args = ap.parse_args()
 
@@ -89,45 +100,98 @@ def main() -> None:
             if "soak" in args.phases:
                 before = wait_idle(http, timeout=300)
                 print(f"[soak] {args.concurrency} clients for {args.minutes} min against {url}", flush=True)
-                res = asyncio.run(run_load(url, concurrency=args.concurrency, duration_s=60 * args.minutes,
-                                           max_tokens=args.max_tokens, api_key=KEY, progress_every_s=30))
+                res = asyncio.run(
+                    run_load(
+                        url,
+                        concurrency=args.concurrency,
+                        duration_s=60 * args.minutes,
+                        max_tokens=args.max_tokens,
+                        api_key=KEY,
+                        progress_every_s=30,
+                    )
+                )
                 after = wait_idle(http, timeout=300)
-                report["soak"] = {**res.summary(), "command": cmd, "config": conf, "minutes": args.minutes,
-                                  "concurrency": args.concurrency, "rss_start_mib": before["rss_bytes"] / 2**20,
-                                  "rss_end_mib": after["rss_bytes"] / 2**20, "free_slots_end": after["free_slots"],
-                                  "slots": cfg.max_batch, "live_drafter_requests_end": after["live_drafter_requests"],
-                                  "actor_requests_end": _actor_requests(), "engine_failed": after["failed"]}
+                report["soak"] = {
+                    **res.summary(),
+                    "command": cmd,
+                    "config": conf,
+                    "minutes": args.minutes,
+                    "concurrency": args.concurrency,
+                    "rss_start_mib": before["rss_bytes"] / 2**20,
+                    "rss_end_mib": after["rss_bytes"] / 2**20,
+                    "free_slots_end": after["free_slots"],
+                    "slots": cfg.max_batch,
+                    "live_drafter_requests_end": after["live_drafter_requests"],
+                    "actor_requests_end": _actor_requests(),
+                    "engine_failed": after["failed"],
+                }
                 print("[soak]", json.dumps(report["soak"]), flush=True)
             if "fuzz" in args.phases:
                 print("[fuzz] schemathesis ...", flush=True)
                 t0 = time.perf_counter()
-                outcomes = fuzz(url, KEY, {"positive": args.fuzz_examples, "negative": args.fuzz_examples,
-                                           "nasty": args.fuzz_examples})
-                report["fuzz"] = {"outcomes": {f"{r} {m} {s}": n for (r, m, s), n in sorted(outcomes.items())},
-                                  "s": time.perf_counter() - t0, "command": cmd, "config": conf}
+                outcomes = fuzz(
+                    url,
+                    KEY,
+                    {"positive": args.fuzz_examples, "negative": args.fuzz_examples, "nasty": args.fuzz_examples},
+                )
+                report["fuzz"] = {
+                    "outcomes": {f"{r} {m} {s}": n for (r, m, s), n in sorted(outcomes.items())},
+                    "s": time.perf_counter() - t0,
+                    "command": cmd,
+                    "config": conf,
+                }
             if "fault" in args.phases:
                 print("[fault] killing the model replica under load ...", flush=True)
-                k = kill_replica_under_load(url, KEY, concurrency=8, requests=24, max_tokens=16, app="hvd",
-                                            prompts=real_prompts(max_chars=2000))
-                report["fault"] = {**k.load.summary(), "hung": k.hung, "healthy_s": k.healthy_s,
-                                   "recovery_s": k.recovery_s, "probes": k.probes, "command": cmd, "config": conf}
+                k = kill_replica_under_load(
+                    url, KEY, concurrency=8, requests=24, max_tokens=16, app="hvd", prompts=real_prompts(max_chars=2000)
+                )
+                report["fault"] = {
+                    **k.load.summary(),
+                    "hung": k.hung,
+                    "healthy_s": k.healthy_s,
+                    "recovery_s": k.recovery_s,
+                    "probes": k.probes,
+                    "command": cmd,
+                    "config": conf,
+                }
             if "overload" in args.phases:
                 levels = []
                 for x in args.overload:
                     clients = x * cfg.max_batch
                     print(f"[overload] {clients} clients ({x}x the slots), {2 * clients} requests", flush=True)
-                    res = asyncio.run(run_load(url, concurrency=clients, requests=2 * clients, api_key=KEY,
-                                               max_tokens=args.max_tokens, disconnect_share=0.0, seed=x,
-                                               prompts=real_prompts(max_chars=2000)))
+                    res = asyncio.run(
+                        run_load(
+                            url,
+                            concurrency=clients,
+                            requests=2 * clients,
+                            api_key=KEY,
+                            max_tokens=args.max_tokens,
+                            disconnect_share=0.0,
+                            seed=x,
+                            prompts=real_prompts(max_chars=2000),
+                        )
+                    )
                     idle = wait_idle(http, timeout=300)
-                    levels.append({**res.summary(), "x": x, "clients": clients, "slots_free_after": idle["free_slots"],
-                                   "slots": idle["slots"]})
+                    levels.append(
+                        {
+                            **res.summary(),
+                            "x": x,
+                            "clients": clients,
+                            "slots_free_after": idle["free_slots"],
+                            "slots": idle["slots"],
+                        }
+                    )
                     print("[overload]", json.dumps(levels[-1]), flush=True)
-                report["overload"] = {"levels": levels, "command": cmd, "config": conf,
-                                      "queue": cfg.replica_max_ongoing() + cfg.replica_max_queued(),
-                                      "first_token_timeout_s": cfg.first_token_timeout_s,
-                                      "machine": f"{cpu_name()}; {machine_line()}", "versions": versions(),
-                                      "date": time.strftime("%Y-%m-%d")}
+                report["overload"] = {
+                    "levels": levels,
+                    "command": cmd,
+                    "config": conf,
+                    "queue": cfg.replica_max_ongoing() + cfg.replica_max_queued(),
+                    "first_token_timeout_s": cfg.first_token_timeout_s,
+                    "machine": f"{cpu_name()}; {machine_line()}",
+                    "versions": versions(),
+                    "date": time.strftime("%Y-%m-%d"),
+                }
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -211,12 +275,19 @@ def write(r: dict, out: Path) -> None:
             "| clients | requests | served | shed (503 + Retry-After) | failed | p50 / p99 latency of the served | "
             "p99 time to shed | completion tok/s | KV slots free after |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-            *[f"| {lv['clients']} ({lv['x']}x) | {lv['sent']} | {lv['ok']} | {lv['rejected']} | **{lv['failed']}** | "
-              f"{lv['p50_s']:.1f} / {lv['p99_s']:.1f} s | {_secs(lv['rejected_p99_s'])} | {lv['tokens_per_s']} | "
-              f"{lv['slots_free_after']} of {lv['slots']} |" for lv in o["levels"]],
+            *[
+                f"| {lv['clients']} ({lv['x']}x) | {lv['sent']} | {lv['ok']} | {lv['rejected']} | **{lv['failed']}** | "
+                f"{lv['p50_s']:.1f} / {lv['p99_s']:.1f} s | {_secs(lv['rejected_p99_s'])} | {lv['tokens_per_s']} | "
+                f"{lv['slots_free_after']} of {lv['slots']} |"
+                for lv in o["levels"]
+            ],
             "",
-            "Shed kinds: " + "; ".join(f"{lv['x']}x: " + (", ".join(f"{n}x {c}" for c, n in lv["reject_codes"].items())
-                                                      or "none") for lv in o["levels"]) + ".",
+            "Shed kinds: "
+            + "; ".join(
+                f"{lv['x']}x: " + (", ".join(f"{n}x {c}" for c, n in lv["reject_codes"].items()) or "none")
+                for lv in o["levels"]
+            )
+            + ".",
             "",
         ]
     out.write_text("\n".join(lines))

@@ -30,8 +30,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hvd_ray.drafters.suffix import SuffixConfig, SuffixDrafter
 
 TOKENIZER = Path.home() / ".cache/hvd_ray/models/SmolLM2-135M-Instruct/tokenizer.json"
-STDLIB_PKGS = ["json", "email", "http", "urllib", "logging", "concurrent", "unittest", "asyncio",
-               "importlib", "xml", "multiprocessing", "sqlite3", "tomllib", "zoneinfo"]
+STDLIB_PKGS = [
+    "json",
+    "email",
+    "http",
+    "urllib",
+    "logging",
+    "concurrent",
+    "unittest",
+    "asyncio",
+    "importlib",
+    "xml",
+    "multiprocessing",
+    "sqlite3",
+    "tomllib",
+    "zoneinfo",
+]
 
 
 # ------------------------------------------------------------------ token streams
@@ -44,6 +58,7 @@ class Tok:
         if TOKENIZER.exists():
             try:
                 from tokenizers import Tokenizer
+
                 self._tok = Tokenizer.from_file(str(TOKENIZER))
                 self.name = f"SmolLM2-135M-Instruct BPE ({TOKENIZER.name})"
             except Exception as e:  # pragma: no cover - fallback path
@@ -53,8 +68,7 @@ class Tok:
     def __call__(self, text: str) -> list[int]:
         if self._tok is not None:
             return self._tok.encode(text).ids
-        return [self._vocab.setdefault(w, len(self._vocab))
-                for w in re.findall(r"\w+|[^\w\s]|\s+", text)]
+        return [self._vocab.setdefault(w, len(self._vocab)) for w in re.findall(r"\w+|[^\w\s]|\s+", text)]
 
 
 def code_texts() -> list[str]:
@@ -76,17 +90,21 @@ def json_texts() -> list[str]:
         return []
     data = Path(bfcl_eval.__file__).parent / "data"
     out = []
-    for name in ["BFCL_v4_multiple.json", "BFCL_v4_live_multiple.json", "BFCL_v4_parallel.json",
-                 "BFCL_v4_simple_python.json"]:
+    for name in [
+        "BFCL_v4_multiple.json",
+        "BFCL_v4_live_multiple.json",
+        "BFCL_v4_parallel.json",
+        "BFCL_v4_simple_python.json",
+    ]:
         f = data / name
         if f.exists():
-            out += [json.dumps(json.loads(line), indent=1)
-                    for line in f.read_text().splitlines() if line.strip()]
+            out += [json.dumps(json.loads(line), indent=1) for line in f.read_text().splitlines() if line.strip()]
     return out
 
 
-def make_requests(texts: list[str], tok: Tok, budget: int, max_out: int = 1024,
-                  skip: int = 0) -> list[tuple[list[int], list[int]]]:
+def make_requests(
+    texts: list[str], tok: Tok, budget: int, max_out: int = 1024, skip: int = 0
+) -> list[tuple[list[int], list[int]]]:
     """(prompt, output) pairs: prompt = first quarter, output = up to ``max_out`` following."""
     reqs, used = [], 0
     for text in texts[skip:]:
@@ -94,7 +112,7 @@ def make_requests(texts: list[str], tok: Tok, budget: int, max_out: int = 1024,
         if len(ids) < 64:
             continue
         p = len(ids) // 4
-        prompt, out = ids[:p], ids[p:p + max_out]
+        prompt, out = ids[:p], ids[p : p + max_out]
         reqs.append((prompt, out))
         used += len(prompt) + len(out)
         if used >= budget:
@@ -128,18 +146,26 @@ class Arctic:
 
     def __init__(self, tree: bool) -> None:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
+
         self.c = SuffixDecodingCache(max_tree_depth=64, max_cached_requests=10000)
         self.tree = tree
         self.full: np.ndarray | None = None
 
     def begin(self, rid, prompt, full):
-        self.full = np.asarray(full, dtype=np.int32)   # context views are zero-copy slices
+        self.full = np.asarray(full, dtype=np.int32)  # context views are zero-copy slices
         self.c.start_request(rid, prompt)
 
     def speculate(self, rid, n):
-        ctx = self.full[max(0, n - 64):n]
-        d = self.c.speculate(rid, ctx, max_spec_tokens=64, max_spec_factor=1.0,
-                             max_spec_offset=0.0, min_token_prob=0.1, use_tree_spec=self.tree)
+        ctx = self.full[max(0, n - 64) : n]
+        d = self.c.speculate(
+            rid,
+            ctx,
+            max_spec_tokens=64,
+            max_spec_factor=1.0,
+            max_spec_offset=0.0,
+            min_token_prob=0.1,
+            use_tree_spec=self.tree,
+        )
         return d.token_ids, d.parents
 
     def accept(self, rid, toks):
@@ -157,11 +183,12 @@ class ArcticRaw(Arctic):
     def __init__(self, tree: bool) -> None:
         super().__init__(tree)
         from arctic_inference.suffix_decoding._C import SuffixTree
+
         self.spec = SuffixTree.speculate_ndarray
         self.g = self.c._global_tree
 
     def speculate(self, rid, n):
-        ctx = self.full[max(0, n - 64):n]
+        ctx = self.full[max(0, n - 64) : n]
         d1 = self.spec(self.c._local_trees[rid], ctx, 64, 1.0, 0.0, 0.1, self.tree)
         d2 = self.spec(self.g, ctx, 64, 1.0, 0.0, 0.1, self.tree)
         d = d1 if d1.score >= d2.score else d2
@@ -196,7 +223,7 @@ def run_request(impl, rid, prompt, out, st: Stats) -> None:
         toks, parents = impl.speculate(rid, P + i)
         t1 = pc()
         a = accepted(toks, parents, out[i:])
-        step = out[i:i + a + 1]
+        step = out[i : i + a + 1]
         t2 = pc()
         impl.accept(rid, step)
         t3 = pc()
@@ -222,14 +249,19 @@ def agreement(reqs, tree: bool) -> tuple[float, float, int]:
         while i < len(out):
             n = len(p) + i
             od = o.d.speculate(k)
-            ad = a.c.speculate(k, a.full[max(0, n - 64):n], max_spec_tokens=64,
-                               max_spec_factor=1.0, max_spec_offset=0.0, min_token_prob=0.1,
-                               use_tree_spec=tree)
+            ad = a.c.speculate(
+                k,
+                a.full[max(0, n - 64) : n],
+                max_spec_tokens=64,
+                max_spec_factor=1.0,
+                max_spec_offset=0.0,
+                min_token_prob=0.1,
+                use_tree_spec=tree,
+            )
             steps += 1
             same += od.token_ids == list(ad.token_ids) and od.parents == list(ad.parents)
-            same_score += abs(od.score - ad.score) < 1e-4 and (
-                od.match_len == ad.match_len or not od.token_ids)
-            step = out[i:i + accepted(od.token_ids, od.parents, out[i:]) + 1]
+            same_score += abs(od.score - ad.score) < 1e-4 and (od.match_len == ad.match_len or not od.token_ids)
+            step = out[i : i + accepted(od.token_ids, od.parents, out[i:]) + 1]
             o.accept(k, step)
             a.accept(k, step)
             i += len(step)
@@ -271,27 +303,40 @@ def main() -> None:
     for wname, reqs in workloads.items():
         for tree in modes:
             drafters = [cls(tree) for cls in impls]
-            for d in drafters:   # warm-up on other texts, on separate instances
+            for d in drafters:  # warm-up on other texts, on separate instances
                 w = type(d)(tree)
                 for k, (p, o) in enumerate(warm):
                     run_request(w, f"w{k}", p, o, Stats())
             stats = [Stats() for _ in drafters]
-            for k, (p, o) in enumerate(reqs):   # A B A B ... per request
+            for k, (p, o) in enumerate(reqs):  # A B A B ... per request
                 for d, st in zip(drafters, stats):
                     run_request(d, k, p, o, st)
             for d, st in zip(drafters, stats):
-                rows.append(dict(
-                    workload=wname, mode="tree" if tree else "chain", impl=d.name,
-                    requests=len(reqs), tokens=sum(len(p) + len(o) for p, o in reqs),
-                    steps=st.steps, mat=st.acc / st.steps, tps=st.tokens / st.steps,
-                    drafted=st.drafted / st.steps,
-                    spec50=pct(st.spec_ns, .5), spec90=pct(st.spec_ns, .9),
-                    app50=pct(st.app_ns, .5), app90=pct(st.app_ns, .9),
-                    app_tok=sum(st.app_ns) / st.tokens / 1000.0))
+                rows.append(
+                    dict(
+                        workload=wname,
+                        mode="tree" if tree else "chain",
+                        impl=d.name,
+                        requests=len(reqs),
+                        tokens=sum(len(p) + len(o) for p, o in reqs),
+                        steps=st.steps,
+                        mat=st.acc / st.steps,
+                        tps=st.tokens / st.steps,
+                        drafted=st.drafted / st.steps,
+                        spec50=pct(st.spec_ns, 0.5),
+                        spec90=pct(st.spec_ns, 0.9),
+                        app50=pct(st.app_ns, 0.5),
+                        app90=pct(st.app_ns, 0.9),
+                        app_tok=sum(st.app_ns) / st.tokens / 1000.0,
+                    )
+                )
                 r = rows[-1]
-                print(f"{wname:22s} {r['mode']:5s} {r['impl']:16s} acc/step {r['mat']:.3f} "
-                      f"spec p50 {r['spec50']:.1f}us p90 {r['spec90']:.1f}us "
-                      f"append p50 {r['app50']:.1f}us", flush=True)
+                print(
+                    f"{wname:22s} {r['mode']:5s} {r['impl']:16s} acc/step {r['mat']:.3f} "
+                    f"spec p50 {r['spec50']:.1f}us p90 {r['spec90']:.1f}us "
+                    f"append p50 {r['app50']:.1f}us",
+                    flush=True,
+                )
 
     agree = {}
     if not arctic_err:
@@ -308,6 +353,7 @@ def main() -> None:
 def report(rows, agree, tok, arctic_err, args) -> str:
     try:
         from importlib.metadata import version
+
         av = version("arctic-inference")
     except Exception:
         av = "not installed"
@@ -318,7 +364,8 @@ def report(rows, agree, tok, arctic_err, args) -> str:
         "",
         "```",
         f".venv/bin/python jobs/suffix_vs_arctic.py --tokens {args.tokens}"
-        + (" --no-tree" if args.no_tree else "") + " --out benchmarks/suffix_vs_arctic.md",
+        + (" --no-tree" if args.no_tree else "")
+        + " --out benchmarks/suffix_vs_arctic.md",
         "```",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), Python "
@@ -350,18 +397,25 @@ def report(rows, agree, tok, arctic_err, args) -> str:
             f"| {r['workload']} | {r['mode']} | {r['impl']} | {r['requests']} | {r['tokens']} | "
             f"{r['steps']} | {r['mat']:.3f} | {r['tps']:.3f} | {r['drafted']:.2f} | "
             f"{r['spec50']:.1f} | {r['spec90']:.1f} | {r['app50']:.1f} | {r['app90']:.1f} | "
-            f"{r['app_tok']:.1f} |")
-    lines += ["", "hvd_ray's speculate is pure Python yet cheaper per call: it reuses the "
-              "sequences' active nodes as the matches for every suffix length (arctic walks each "
-              "of up to 63 suffixes from the root) and tries match lengths longest-first, "
-              "skipping any whose score upper bound (probability of its first token x tokens "
-              "allowed) cannot beat the best so far. Its append is 4-5x slower than C++ (up to 64 "
-              "active nodes touched per token in the interpreter, in two trees).", ""]
+            f"{r['app_tok']:.1f} |"
+        )
+    lines += [
+        "",
+        "hvd_ray's speculate is pure Python yet cheaper per call: it reuses the "
+        "sequences' active nodes as the matches for every suffix length (arctic walks each "
+        "of up to 63 suffixes from the root) and tries match lengths longest-first, "
+        "skipping any whose score upper bound (probability of its first token x tokens "
+        "allowed) cannot beat the best so far. Its append is 4-5x slower than C++ (up to 64 "
+        "active nodes touched per token in the interpreter, in two trees).",
+        "",
+    ]
     if arctic_err:
         lines.append(f"arctic-inference could not be used: `{arctic_err}`.")
     else:
-        lines.append("Ratios hvd_ray / arctic-inference (its Python `SuffixDecodingCache`, and in "
-                     "brackets its two C++ tree calls alone):")
+        lines.append(
+            "Ratios hvd_ray / arctic-inference (its Python `SuffixDecodingCache`, and in "
+            "brackets its two C++ tree calls alone):"
+        )
         lines.append("")
         lines.append("| workload | mode | acc/step | speculate p50 | append p50 |")
         lines.append("|---|---|---|---|---|")
@@ -370,16 +424,22 @@ def report(rows, agree, tok, arctic_err, args) -> str:
             if i != "hvd_ray" or (w, m, Arctic.name) not in by:
                 continue
             a, c = by[(w, m, Arctic.name)], by[(w, m, ArcticRaw.name)]
-            lines.append(f"| {w} | {m} | {r['mat'] / a['mat']:.3f} | "
-                         f"{r['spec50'] / a['spec50']:.2f}x ({r['spec50'] / c['spec50']:.2f}x) | "
-                         f"{r['app50'] / a['app50']:.2f}x |")
-        lines += ["", "Draft fidelity: both drafters fed the same contexts in lockstep (advancing "
-                  "by hvd_ray's acceptance). Drafts differ almost only where two continuations "
-                  "are equally frequent: hvd_ray breaks such ties by the smaller token id, arctic "
-                  "by its sibling-list order; arctic also multiplies float32 ratios where hvd_ray "
-                  "divides exact counts.", "",
-                  "| workload | mode | steps | identical drafts | same score and match length |",
-                  "|---|---|---|---|---|"]
+            lines.append(
+                f"| {w} | {m} | {r['mat'] / a['mat']:.3f} | "
+                f"{r['spec50'] / a['spec50']:.2f}x ({r['spec50'] / c['spec50']:.2f}x) | "
+                f"{r['app50'] / a['app50']:.2f}x |"
+            )
+        lines += [
+            "",
+            "Draft fidelity: both drafters fed the same contexts in lockstep (advancing "
+            "by hvd_ray's acceptance). Drafts differ almost only where two continuations "
+            "are equally frequent: hvd_ray breaks such ties by the smaller token id, arctic "
+            "by its sibling-list order; arctic also multiplies float32 ratios where hvd_ray "
+            "divides exact counts.",
+            "",
+            "| workload | mode | steps | identical drafts | same score and match length |",
+            "|---|---|---|---|---|",
+        ]
         for (w, m), (same, same_score, steps) in agree.items():
             lines.append(f"| {w} | {m} | {steps} | {same:.1%} | {same_score:.1%} |")
     lines.append("")

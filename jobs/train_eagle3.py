@@ -53,8 +53,11 @@ def sequences(traces_dirs: list[str], splits: set[str]) -> list[tuple[list[int],
     out = []
     for traces_dir in traces_dirs:
         t = read_traces(traces_dir, columns=["prompt_id", "prompt_tokens", "output_tokens", "workload"])
-        out += [(r["prompt_tokens"] + r["output_tokens"], len(r["prompt_tokens"]), r["workload"])
-                for r in t.to_pylist() if split_of(r["prompt_id"]) in splits]
+        out += [
+            (r["prompt_tokens"] + r["output_tokens"], len(r["prompt_tokens"]), r["workload"])
+            for r in t.to_pylist()
+            if split_of(r["prompt_id"]) in splits
+        ]
     return out
 
 
@@ -80,9 +83,16 @@ def features_for(args, name: str, srcs: list[str], splits: set[str]) -> list[Pat
             t0 = time.time()
             samples = extract_features(target, [s for s, _, _ in seqs], taps, args.max_len, [p for _, p, _ in seqs])
             write_shards(_progress(samples, len(seqs), name), folder)
-            (folder / "done").write_text(json.dumps({"sequences": len(seqs), "seconds": time.time() - t0,
-                                                     "source": str(Path(src).resolve()),
-                                                     "workloads": [w for _, _, w in seqs]}))
+            (folder / "done").write_text(
+                json.dumps(
+                    {
+                        "sequences": len(seqs),
+                        "seconds": time.time() - t0,
+                        "source": str(Path(src).resolve()),
+                        "workloads": [w for _, _, w in seqs],
+                    }
+                )
+            )
         shards += sorted(folder.glob("shard-*.safetensors"))
     return shards
 
@@ -148,8 +158,9 @@ def train_loop(config: dict) -> None:
     if config["init"]:  # fine-tune an existing head (its draft vocabulary is kept: see draft_vocab)
         head = Eagle3Head.load(config["init"], target, dtype=torch.float32)
     else:
-        head = Eagle3Head.from_target(target, config["vocab"], seed=config["seed"], dtype=torch.float32,
-                                      warm_start=config["warm_start"])
+        head = Eagle3Head.from_target(
+            target, config["vocab"], seed=config["seed"], dtype=torch.float32, warm_start=config["warm_start"]
+        )
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config["lr"], weight_decay=0.0)
     epoch0, step = 0, 0
@@ -202,8 +213,14 @@ def train_loop(config: dict) -> None:
             lr = config["lr"] * min(1.0, (step + 1) / 50) * max(0.1, 1 - step / max(total_steps, 1))
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss, accs = model(s["taps"].float(), s["tokens"], s["pred"], steps=config["steps"],
-                               start=int(s["start"][0]), prompt_weight=config["prompt_weight"])
+            loss, accs = model(
+                s["taps"].float(),
+                s["tokens"],
+                s["pred"],
+                steps=config["steps"],
+                start=int(s["start"][0]),
+                prompt_weight=config["prompt_weight"],
+            )
             opt.zero_grad()
             loss.backward()  # DDP: gradients averaged across the workers here
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -217,15 +234,23 @@ def train_loop(config: dict) -> None:
             if stop := past_deadline():
                 break
         samples = []
-        metrics = {"epoch": epoch + 1, "step": step, **means(run_loss, run_acc, n),
-                   **sync_check(head, step, world, device)}
+        metrics = {
+            "epoch": epoch + 1,
+            "step": step,
+            **means(run_loss, run_acc, n),
+            **sync_check(head, step, world, device),
+        }
         if not metrics["ranks_in_sync"] and rank == 0:
-            print(f"[train] WARNING: workers diverged: steps {metrics['rank_steps']}, "
-                  f"weights {metrics['rank_digests']}", file=sys.stderr)
+            print(
+                f"[train] WARNING: workers diverged: steps {metrics['rank_steps']}, weights {metrics['rank_digests']}",
+                file=sys.stderr,
+            )
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
-                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1, "step": step},
-                           Path(d) / "state.pt")
+                torch.save(
+                    {"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1, "step": step},
+                    Path(d) / "state.pt",
+                )
                 head.save(Path(d) / "head")
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
         if stop or past_deadline():
@@ -244,8 +269,11 @@ def sync_check(head: Eagle3Head, step: int, world: int, device) -> dict:
         dist.all_gather(everyone, mine)
     steps = [int(t[0]) for t in everyone]
     digests = [bytes(t[1:].tolist()).hex() for t in everyone]
-    return {"rank_steps": steps, "rank_digests": digests,
-            "ranks_in_sync": len(set(steps)) == 1 and len(set(digests)) == 1}
+    return {
+        "rank_steps": steps,
+        "rank_digests": digests,
+        "ranks_in_sync": len(set(steps)) == 1 and len(set(digests)) == 1,
+    }
 
 
 def fit(args, train_shards: list[Path], vocab: list[int]):
@@ -253,23 +281,38 @@ def fit(args, train_shards: list[Path], vocab: list[int]):
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", num_cpus=max(2, args.workers),
-             include_dashboard=False, ignore_reinit_error=True)
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS") or "local",
+        num_cpus=max(2, args.workers),
+        include_dashboard=False,
+        ignore_reinit_error=True,
+    )
     # Ray Train's helper actors look the cluster up again: point them at ours, not another local one
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     storage = (Path(args.out) / "ray_train").resolve()
-    config = {"model_folder": str(resolve(args.model)), "vocab": vocab, "shards": [str(p) for p in train_shards],
-              "lr": args.lr, "epochs": args.epochs, "steps": args.ttt_steps, "seed": args.seed,
-              "minutes": args.minutes, "threads": args.threads, "report_every": 20,
-              "prompt_weight": args.prompt_weight, "warm_start": args.head_init == "target",
-              "init": str(Path(args.init).resolve()) if args.init else None}
-    run = RunConfig(name="eagle3", storage_path=str(storage),
-                    checkpoint_config=CheckpointConfig(num_to_keep=2))
-    scaling = ScalingConfig(num_workers=args.workers, use_gpu=args.use_gpu,
-                            resources_per_worker={"CPU": args.cpus_per_worker})
+    config = {
+        "model_folder": str(resolve(args.model)),
+        "vocab": vocab,
+        "shards": [str(p) for p in train_shards],
+        "lr": args.lr,
+        "epochs": args.epochs,
+        "steps": args.ttt_steps,
+        "seed": args.seed,
+        "minutes": args.minutes,
+        "threads": args.threads,
+        "report_every": 20,
+        "prompt_weight": args.prompt_weight,
+        "warm_start": args.head_init == "target",
+        "init": str(Path(args.init).resolve()) if args.init else None,
+    }
+    run = RunConfig(name="eagle3", storage_path=str(storage), checkpoint_config=CheckpointConfig(num_to_keep=2))
+    scaling = ScalingConfig(
+        num_workers=args.workers, use_gpu=args.use_gpu, resources_per_worker={"CPU": args.cpus_per_worker}
+    )
     if args.resume and TorchTrainer.can_restore(str(storage / "eagle3")):
-        trainer = TorchTrainer.restore(str(storage / "eagle3"), train_loop_per_worker=train_loop,
-                                       train_loop_config=config)
+        trainer = TorchTrainer.restore(
+            str(storage / "eagle3"), train_loop_per_worker=train_loop, train_loop_config=config
+        )
     else:
         trainer = TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run)
     result = trainer.fit()
@@ -307,8 +350,9 @@ def evaluate(head: Eagle3Head, shards: list[Path], depth: int = 5, workloads: li
                         break
                     hits[k] += response
                     n += 1
-                keys = ["all"] + (["response", f"workload:{workloads[i]}" if workloads else "workload:?"]
-                                  if response else [])
+                keys = ["all"] + (
+                    ["response", f"workload:{workloads[i]}" if workloads else "workload:?"] if response else []
+                )
                 for key in keys:
                     a = acc.setdefault(key, [0, 0])
                     a[0] += n
@@ -317,28 +361,50 @@ def evaluate(head: Eagle3Head, shards: list[Path], depth: int = 5, workloads: li
     def mat(key: str) -> float:
         return 1 + acc[key][0] / acc[key][1] if acc.get(key, [0, 0])[1] else 0.0
 
-    return {"per_position_acceptance": [h / t if t else 0.0 for h, t in zip(hits, tries)],
-            "mean_accepted_tokens_per_forward": mat("response"),
-            "positions": acc.get("response", [0, 0])[1],
-            "per_workload": {k.split(":", 1)[1]: {"mean_accepted_tokens_per_forward": mat(k), "positions": v[1]}
-                             for k, v in sorted(acc.items()) if k.startswith("workload:")},
-            "all_positions": {"mean_accepted_tokens_per_forward": mat("all"), "positions": acc.get("all", [0, 0])[1]},
-            "scope": f"response positions (teacher-forced chain of {depth})"}
+    return {
+        "per_position_acceptance": [h / t if t else 0.0 for h, t in zip(hits, tries)],
+        "mean_accepted_tokens_per_forward": mat("response"),
+        "positions": acc.get("response", [0, 0])[1],
+        "per_workload": {
+            k.split(":", 1)[1]: {"mean_accepted_tokens_per_forward": mat(k), "positions": v[1]}
+            for k, v in sorted(acc.items())
+            if k.startswith("workload:")
+        },
+        "all_positions": {"mean_accepted_tokens_per_forward": mat("all"), "positions": acc.get("all", [0, 0])[1]},
+        "scope": f"response positions (teacher-forced chain of {depth})",
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", required=True, nargs="+", help="trace directories (collect_traces output); "
-                    "their train split is trained on")
-    ap.add_argument("--heldout", default=None, nargs="+",
-                    help="held-out trace directories (default: --traces' validation/test split)")
+    ap.add_argument(
+        "--traces",
+        required=True,
+        nargs="+",
+        help="trace directories (collect_traces output); their train split is trained on",
+    )
+    ap.add_argument(
+        "--heldout",
+        default=None,
+        nargs="+",
+        help="held-out trace directories (default: --traces' validation/test split)",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="default")
     ap.add_argument("--draft-vocab", type=int, default=8192)
-    ap.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps in training (the chain depth "
-                    "drafting uses is 5: train with 5 to teach positions 4-5)")
-    ap.add_argument("--prompt-weight", type=float, default=1.0,
-                    help="loss weight of prompt positions (responses weigh 1; the head only drafts responses)")
+    ap.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=3,
+        help="unrolled draft steps in training (the chain depth "
+        "drafting uses is 5: train with 5 to teach positions 4-5)",
+    )
+    ap.add_argument(
+        "--prompt-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of prompt positions (responses weigh 1; the head only drafts responses)",
+    )
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
@@ -351,11 +417,19 @@ def main() -> None:
     ap.add_argument("--use-gpu", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--init", default=None, metavar="HEAD_DIR",
-                    help="start from this head's weights and draft vocabulary (fine-tuning) instead of from scratch")
-    ap.add_argument("--head-init", choices=["target", "random"], default="target",
-                    help="a new head starts from the target's output layer and late features (target) "
-                         "or from noise (random: the recipe of the v1 head)")
+    ap.add_argument(
+        "--init",
+        default=None,
+        metavar="HEAD_DIR",
+        help="start from this head's weights and draft vocabulary (fine-tuning) instead of from scratch",
+    )
+    ap.add_argument(
+        "--head-init",
+        choices=["target", "random"],
+        default="target",
+        help="a new head starts from the target's output layer and late features (target) "
+        "or from noise (random: the recipe of the v1 head)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -372,9 +446,15 @@ def main() -> None:
     digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     history = result.metrics_dataframe
     loss_history = history["loss"].tolist() if history is not None and "loss" in history else []
-    meta = {"train_metrics": result.metrics, "loss_history": loss_history, "heldout": report, "sha256": digest,
-            "checkpoint": result.checkpoint.path, "args": vars(args),
-            "draft_vocab_size": len(vocab)}
+    meta = {
+        "train_metrics": result.metrics,
+        "loss_history": loss_history,
+        "heldout": report,
+        "sha256": digest,
+        "checkpoint": result.checkpoint.path,
+        "args": vars(args),
+        "draft_vocab_size": len(vocab),
+    }
     (out / "training.json").write_text(json.dumps(meta, indent=1, default=str))
     print(json.dumps({"heldout": report, "sha256": digest}, indent=1))
 

@@ -51,8 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tau", type=float, default=6.0)
     ap.add_argument("--positions", choices=["all", "steps"], default="all")
     ap.add_argument("--grid", choices=["small", "paper"], default="small")
-    ap.add_argument("--clip-y", type=float, default=None,
-                    help="cap the training target (the τ decision only needs y near τ; long runs dominate MSE)")
+    ap.add_argument(
+        "--clip-y",
+        type=float,
+        default=None,
+        help="cap the training target (the τ decision only needs y near τ; long runs dominate MSE)",
+    )
     ap.add_argument("--max-iter", type=int, default=200)
     ap.add_argument("--max-train-rows", type=int, default=200_000, help="subsample training rows beyond this")
     ap.add_argument("--test-size", type=float, default=0.2, help="trace fraction for test when splitting here")
@@ -133,15 +137,24 @@ def threshold_metrics(y: np.ndarray, yhat: np.ndarray, tau: float) -> dict:
     tp = int((pos & pred).sum())
     prec = tp / int(pred.sum()) if pred.any() else float("nan")
     rec = tp / int(pos.sum()) if pos.any() else float("nan")
-    return {"precision": prec, "recall": rec, "predicted_pos": int(pred.sum()), "actual_pos": int(pos.sum()),
-            "f1": 2 * prec * rec / (prec + rec) if pred.any() and pos.any() and prec + rec > 0 else float("nan")}
+    return {
+        "precision": prec,
+        "recall": rec,
+        "predicted_pos": int(pred.sum()),
+        "actual_pos": int(pos.sum()),
+        "f1": 2 * prec * rec / (prec + rec) if pred.any() and pos.any() and prec + rec > 0 else float("nan"),
+    }
 
 
 def regression_metrics(y: np.ndarray, yhat: np.ndarray, tau: float) -> dict:
     if not len(y):
         return {"rows": 0}
-    return {"rows": int(len(y)), "mse": float(np.mean((y - yhat) ** 2)), "mae": float(np.mean(np.abs(y - yhat))),
-            **{f"{k}@{tau:g}": v for k, v in threshold_metrics(y, yhat, tau).items()}}
+    return {
+        "rows": int(len(y)),
+        "mse": float(np.mean((y - yhat) ** 2)),
+        "mae": float(np.mean(np.abs(y - yhat))),
+        **{f"{k}@{tau:g}": v for k, v in threshold_metrics(y, yhat, tau).items()},
+    }
 
 
 def calibration(y: np.ndarray, yhat: np.ndarray) -> list[dict]:
@@ -149,8 +162,14 @@ def calibration(y: np.ndarray, yhat: np.ndarray) -> list[dict]:
     for lo, hi in zip(CAL_EDGES[:-1], CAL_EDGES[1:]):
         m = (yhat >= lo) & (yhat < hi)
         if m.any():
-            rows.append({"bin": f"[{lo:g},{hi:g})" if hi < 1e9 else f">={lo:g}", "n": int(m.sum()),
-                         "mean_pred": float(yhat[m].mean()), "mean_y": float(y[m].mean())})
+            rows.append(
+                {
+                    "bin": f"[{lo:g},{hi:g})" if hi < 1e9 else f">={lo:g}",
+                    "n": int(m.sum()),
+                    "mean_pred": float(yhat[m].mean()),
+                    "mean_y": float(y[m].mean()),
+                }
+            )
     return rows
 
 
@@ -214,9 +233,18 @@ def train(a: argparse.Namespace) -> dict:
 
     def make(cfg):
         early = len(ytr) >= 200
-        return make_pipeline(StandardScaler(), MLPRegressor(
-            activation="relu", solver="adam", max_iter=a.max_iter, random_state=a.seed,
-            early_stopping=early, n_iter_no_change=10, **cfg))
+        return make_pipeline(
+            StandardScaler(),
+            MLPRegressor(
+                activation="relu",
+                solver="adam",
+                max_iter=a.max_iter,
+                random_state=a.seed,
+                early_stopping=early,
+                n_iter_no_change=10,
+                **cfg,
+            ),
+        )
 
     grid = GRID if a.grid == "small" else GRID[:1]
     tried = []
@@ -225,8 +253,13 @@ def train(a: argparse.Namespace) -> dict:
     for cfg in grid:
         pipe = make(cfg).fit(Xtr, ytr_fit)
         vm = float(np.mean((pipe.predict(Xva) - yva) ** 2)) if len(yva) else float(pipe[-1].loss_)
-        tried.append({**{k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}, "val_mse": vm,
-                      "iters": int(pipe[-1].n_iter_)})
+        tried.append(
+            {
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+                "val_mse": vm,
+                "iters": int(pipe[-1].n_iter_),
+            }
+        )
         if best is None or vm < best[0]:
             best = (vm, cfg, pipe)
     train_s = time.time() - t0
@@ -235,9 +268,17 @@ def train(a: argparse.Namespace) -> dict:
 
     tr_model = ttr.filter(pc.greater(ttr.column("model_len"), 0)) if ttr.num_rows else ttr
     model_mean = float(np.mean(tr_model.column("y_model").to_numpy())) if tr_model.num_rows else 1.0
-    meta = {"tau": a.tau, "target": "y_cache", "clip_y": a.clip_y, "positions": a.positions, "config": {
-        k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}, "train_rows": int(len(ytr)),
-        "model_mean_accept": model_mean, "model_depth": lmeta["model_depth"], "labels": lmeta["sources"]}
+    meta = {
+        "tau": a.tau,
+        "target": "y_cache",
+        "clip_y": a.clip_y,
+        "positions": a.positions,
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+        "train_rows": int(len(ytr)),
+        "model_mean_accept": model_mean,
+        "model_depth": lmeta["model_depth"],
+        "labels": lmeta["sources"],
+    }
     pred = YieldPredictor.from_sklearn(mlp, scaler.mean_, scaler.scale_, SPEC, meta)
     pred.save(out)
     pred = YieldPredictor.load(out)  # everything below uses the artifact as served
@@ -249,10 +290,14 @@ def train(a: argparse.Namespace) -> dict:
         "rows": {k: int(parts[k].num_rows) for k in parts},
         "trainable_rows": {"train": int(len(ytr)), "validation": int(len(yva)), "test": int(len(yte))},
         "traces": {k: len(v) for k, v in splits.items()},
-        "grid": tried, "chosen": meta["config"], "train_s": round(train_s, 2),
+        "grid": tried,
+        "chosen": meta["config"],
+        "train_s": round(train_s, 2),
         "test": regression_metrics(yte, yhat_te, a.tau),
         "validation": regression_metrics(yva, pred.predict(Xva) if len(yva) else np.zeros(0), a.tau),
-        "baseline_score_as_prediction": regression_metrics(yte, Xte[:, 0].astype(np.float64) if len(yte) else np.zeros(0), a.tau),
+        "baseline_score_as_prediction": regression_metrics(
+            yte, Xte[:, 0].astype(np.float64) if len(yte) else np.zeros(0), a.tau
+        ),
         "baseline_train_mean": regression_metrics(yte, np.full(len(yte), ytr.mean()), a.tau),
         # the positions a decoding run actually reaches (the replay's simulated run): what the policy sees
         "test_step_starts": regression_metrics(yte[steps], yhat_te[steps], a.tau),
@@ -261,36 +306,53 @@ def train(a: argparse.Namespace) -> dict:
         "test_step_starts_by_regime": {
             r: regression_metrics(yte[steps & (reg == r)], yhat_te[steps & (reg == r)], a.tau)
             for reg in [np.asarray(tte.column("regime").to_pylist()) if len(yte) else np.zeros(0, str)]
-            for r in sorted(set(reg.tolist()))},
+            for r in sorted(set(reg.tolist()))
+        },
         "numpy_vs_sklearn_max_abs_diff": float(np.max(np.abs(yhat_te - sk_te))) if len(yte) else 0.0,
         "latency_single_phi": latency_p50_us(pred, Xte if len(Xte) else Xtr),
         "calibration": calibration(yte, yhat_te) if len(yte) else [],
         "test_per_workload": {
             w: regression_metrics(yte[wl == w], yhat_te[wl == w], a.tau)
             for wl in [np.asarray(tte.column("workload").to_pylist()) if len(yte) else np.zeros(0, str)]
-            for w in sorted(set(wl.tolist()))},
+            for w in sorted(set(wl.tolist()))
+        },
     }
     if len(yte) >= 20:
         m = min(len(yte), a.importance_rows)
         idx = rng.choice(len(yte), m, replace=False)
-        imp = permutation_importance(pipe, Xte[idx], yte[idx], n_repeats=3, random_state=a.seed,
-                                     scoring="neg_mean_squared_error")
+        imp = permutation_importance(
+            pipe, Xte[idx], yte[idx], n_repeats=3, random_state=a.seed, scoring="neg_mean_squared_error"
+        )
         order = np.argsort(-imp.importances_mean)
-        report["permutation_importance"] = [{"feature": SPEC.names[i], "mse_increase": float(imp.importances_mean[i]),
-                                             "std": float(imp.importances_std[i])} for i in order]
-    report["calibration_png"] = plot_calibration(report["calibration"], out / "calibration.png", a.tau) \
-        if report["calibration"] else False
+        report["permutation_importance"] = [
+            {
+                "feature": SPEC.names[i],
+                "mse_increase": float(imp.importances_mean[i]),
+                "std": float(imp.importances_std[i]),
+            }
+            for i in order
+        ]
+    report["calibration_png"] = (
+        plot_calibration(report["calibration"], out / "calibration.png", a.tau) if report["calibration"] else False
+    )
 
     # offline policy comparison on the test traces (all their positions), one regime at a time
-    test_all = table.filter(pc.is_in(table.column("prompt_id"),
-                                             value_set=pa.array(sorted(splits["test"]), pa.string())))
+    test_all = table.filter(
+        pc.is_in(table.column("prompt_id"), value_set=pa.array(sorted(splits["test"]), pa.string()))
+    )
     depth = lmeta["model_depth"]
     report["policies_by_regime"] = {}
     for regime in sorted(set(test_all.column("regime").to_pylist())):
         labs = trace_labels_from_table(test_all.filter(pc.equal(test_all.column("regime"), regime)))
-        pols = {"always-cache": AlwaysCache(), "always-model": AlwaysModel(), f"score>{a.tau:g}": ScoreRule(tau=a.tau),
-                f"tau>{a.tau:g}": TauPolicy(pred, tau=a.tau), "cost": CostPolicy(pred),
-                "cost-union": CostPolicy(pred, union=True), "oracle": OraclePolicy()}
+        pols = {
+            "always-cache": AlwaysCache(),
+            "always-model": AlwaysModel(),
+            f"score>{a.tau:g}": ScoreRule(tau=a.tau),
+            f"tau>{a.tau:g}": TauPolicy(pred, tau=a.tau),
+            "cost": CostPolicy(pred),
+            "cost-union": CostPolicy(pred, union=True),
+            "oracle": OraclePolicy(),
+        }
         report["policies_by_regime"][regime] = {name: simulate(labs, p, model_depth=depth) for name, p in pols.items()}
     report["policies_test"] = report["policies_by_regime"].get("cold", {})
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -306,61 +368,118 @@ def render_md(r: dict, tau: float) -> str:
     t = r["test"]
     k = f"@{tau:g}"
     lines = [
-        "# Yield predictor report", "",
+        "# Yield predictor report",
+        "",
         f"Rows (non-empty cache drafts) train / validation / test: {r['trainable_rows']['train']} / "
         f"{r['trainable_rows']['validation']} / {r['trainable_rows']['test']}; traces {r['traces']}.",
-        f"Chosen MLP: {r['chosen']} (validation MSE per config below), trained in {r['train_s']} s.", "",
-        "| predictor (test) | MSE | MAE | precision ŷ≥τ | recall ŷ≥τ |", "| --- | --- | --- | --- | --- |",
+        f"Chosen MLP: {r['chosen']} (validation MSE per config below), trained in {r['train_s']} s.",
+        "",
+        "| predictor (test) | MSE | MAE | precision ŷ≥τ | recall ŷ≥τ |",
+        "| --- | --- | --- | --- | --- |",
     ]
-    for name, m in (("MLP g_θ", t), ("suffix score", r["baseline_score_as_prediction"]),
-                    ("train mean", r["baseline_train_mean"]), ("MLP g_θ, step starts only", r["test_step_starts"]),
-                    ("suffix score, step starts only", r["baseline_score_step_starts"])):
-        lines.append(f"| {name} | {_f(m.get('mse'))} | {_f(m.get('mae'))} | {_f(m.get('precision' + k))} | "
-                     f"{_f(m.get('recall' + k))} |")
+    for name, m in (
+        ("MLP g_θ", t),
+        ("suffix score", r["baseline_score_as_prediction"]),
+        ("train mean", r["baseline_train_mean"]),
+        ("MLP g_θ, step starts only", r["test_step_starts"]),
+        ("suffix score, step starts only", r["baseline_score_step_starts"]),
+    ):
+        lines.append(
+            f"| {name} | {_f(m.get('mse'))} | {_f(m.get('mae'))} | {_f(m.get('precision' + k))} | "
+            f"{_f(m.get('recall' + k))} |"
+        )
     by_regime = r.get("test_step_starts_by_regime", {})
     if len(by_regime) > 1:
-        lines += ["", "Per regime (test, step starts; `agent` = a prompt's second turn, its first answer in the "
-                  "prompt and the global tree; `repeat` = a trace again, its own output in the global tree):", "",
-                  "| regime | step starts | y ≥ τ | MSE | precision ŷ≥τ | recall ŷ≥τ |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "Per regime (test, step starts; `agent` = a prompt's second turn, its first answer in the "
+            "prompt and the global tree; `repeat` = a trace again, its own output in the global tree):",
+            "",
+            "| regime | step starts | y ≥ τ | MSE | precision ŷ≥τ | recall ŷ≥τ |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for g, m in by_regime.items():
-            lines.append(f"| {g} | {m.get('rows', '—')} | {m.get('actual_pos' + k, 0)} | {_f(m.get('mse'))} | "
-                         f"{_f(m.get('precision' + k))} | {_f(m.get('recall' + k))} |")
-    lines += ["", "Per workload (test, all positions):", "", "| workload | rows | MSE | precision ŷ≥τ | recall ŷ≥τ |",
-              "| --- | --- | --- | --- | --- |"]
+            lines.append(
+                f"| {g} | {m.get('rows', '—')} | {m.get('actual_pos' + k, 0)} | {_f(m.get('mse'))} | "
+                f"{_f(m.get('precision' + k))} | {_f(m.get('recall' + k))} |"
+            )
+    lines += [
+        "",
+        "Per workload (test, all positions):",
+        "",
+        "| workload | rows | MSE | precision ŷ≥τ | recall ŷ≥τ |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for w, m in r.get("test_per_workload", {}).items():
-        lines.append(f"| {w} | {m.get('rows', '—')} | {_f(m.get('mse'))} | {_f(m.get('precision' + k))} | "
-                     f"{_f(m.get('recall' + k))} |")
-    lines += ["", f"Positives (y ≥ {tau:g}) in test: {t.get('actual_pos' + k, 0)}; predicted: {t.get('predicted_pos' + k, 0)}.",
-              f"numpy artifact vs sklearn, max |Δŷ|: {r['numpy_vs_sklearn_max_abs_diff']:.2e}; single-φ predict "
-              f"p50 {r['latency_single_phi']['p50_us']:.1f} µs (p99 {r['latency_single_phi']['p99_us']:.1f} µs).", "",
-              "## Grid", "", "| config | val MSE | iters |", "| --- | --- | --- |"]
+        lines.append(
+            f"| {w} | {m.get('rows', '—')} | {_f(m.get('mse'))} | {_f(m.get('precision' + k))} | "
+            f"{_f(m.get('recall' + k))} |"
+        )
+    lines += [
+        "",
+        f"Positives (y ≥ {tau:g}) in test: {t.get('actual_pos' + k, 0)}; predicted: {t.get('predicted_pos' + k, 0)}.",
+        f"numpy artifact vs sklearn, max |Δŷ|: {r['numpy_vs_sklearn_max_abs_diff']:.2e}; single-φ predict "
+        f"p50 {r['latency_single_phi']['p50_us']:.1f} µs (p99 {r['latency_single_phi']['p99_us']:.1f} µs).",
+        "",
+        "## Grid",
+        "",
+        "| config | val MSE | iters |",
+        "| --- | --- | --- |",
+    ]
     for g in r["grid"]:
-        lines.append(f"| {g['hidden_layer_sizes']} α={g['alpha']:g} lr={g['learning_rate_init']:g} | "
-                     f"{_f(g['val_mse'])} | {g['iters']} |")
+        lines.append(
+            f"| {g['hidden_layer_sizes']} α={g['alpha']:g} lr={g['learning_rate_init']:g} | "
+            f"{_f(g['val_mse'])} | {g['iters']} |"
+        )
     lines += ["", "## Calibration (test)", "", "| ŷ bin | n | mean ŷ | mean y |", "| --- | --- | --- | --- |"]
     lines += [f"| {c['bin']} | {c['n']} | {_f(c['mean_pred'], 2)} | {_f(c['mean_y'], 2)} |" for c in r["calibration"]]
     if r.get("calibration_png"):
         lines += ["", "![calibration](calibration.png)"]
     if "permutation_importance" in r:
-        lines += ["", "## Permutation importance (test MSE increase)", "", "| feature | ΔMSE | std |", "| --- | --- | --- |"]
-        lines += [f"| {p['feature']} | {_f(p['mse_increase'])} | {_f(p['std'])} |" for p in r["permutation_importance"][:15]]
-    lines += ["", "## Policies on the test traces (offline replay)", "",
-              "| regime | policy | MAT | forwards / 1k tok | cache share | est. cost / token | est. speed-up |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## Permutation importance (test MSE increase)",
+            "",
+            "| feature | ΔMSE | std |",
+            "| --- | --- | --- |",
+        ]
+        lines += [
+            f"| {p['feature']} | {_f(p['mse_increase'])} | {_f(p['std'])} |" for p in r["permutation_importance"][:15]
+        ]
+    lines += [
+        "",
+        "## Policies on the test traces (offline replay)",
+        "",
+        "| regime | policy | MAT | forwards / 1k tok | cache share | est. cost / token | est. speed-up |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for g, pols in (r.get("policies_by_regime") or {"cold": r["policies_test"]}).items():
         for name, s in pols.items():
-            lines.append(f"| {g} | {name} | {_f(s['mean_accepted_per_forward'], 2)} | "
-                         f"{_f(s['forwards_per_1k_tokens'], 1)} | {_f(s['cache_share'], 2)} | "
-                         f"{_f(s['cost_per_token'], 3)} | {_f(s['est_speedup_vs_greedy'], 2)} |")
-    lines += ["", "MAT = tokens per decode forward; cost in 1-token target forwards (verify-cost table "
-              "1.00/1.20/1.32/1.71 for k = 1/8/16/32, layer-skip drafting 0.86 per draft token).", ""]
+            lines.append(
+                f"| {g} | {name} | {_f(s['mean_accepted_per_forward'], 2)} | "
+                f"{_f(s['forwards_per_1k_tokens'], 1)} | {_f(s['cache_share'], 2)} | "
+                f"{_f(s['cost_per_token'], 3)} | {_f(s['est_speedup_vs_greedy'], 2)} |"
+            )
+    lines += [
+        "",
+        "MAT = tokens per decode forward; cost in 1-token target forwards (verify-cost table "
+        "1.00/1.20/1.32/1.71 for k = 1/8/16/32, layer-skip drafting 0.86 per draft token).",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     r = train(parse_args(argv))
-    print(json.dumps({"test": r["test"], "latency_single_phi": r["latency_single_phi"],
-                      "policies_test": {k: round(v["mean_accepted_per_forward"], 3) for k, v in r["policies_test"].items()}}))
+    print(
+        json.dumps(
+            {
+                "test": r["test"],
+                "latency_single_phi": r["latency_single_phi"],
+                "policies_test": {k: round(v["mean_accepted_per_forward"], 3) for k, v in r["policies_test"].items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

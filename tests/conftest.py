@@ -17,16 +17,26 @@ import torch
 # (oversubscribed torch threads on a busy 2-core box run many times slower, docs/design.md)
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def make_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     """Save a tiny random ``kind`` (llama | qwen2 | qwen3) model as a HF safetensors folder."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
     cfg_cls, model_cls = classes[kind]
     extra = {"head_dim": 16} if kind == "qwen3" else {}
     cfg = cfg_cls(**{**TINY, **extra, **overrides}, tie_word_embeddings=kind != "qwen2")

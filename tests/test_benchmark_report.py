@@ -36,8 +36,9 @@ def test_hvd_methods_take_the_jobs_spec_options(monkeypatch):
 
     built = []
     monkeypatch.setattr(methods, "build_engine", lambda spec, *a, **kw: built.append(spec))
-    args = argparse.Namespace(predictor="/my/predictor", eagle3_head="/my/head", model_drafter="eagle3",
-                              num_draft_tokens=12, slim_mask=None)
+    args = argparse.Namespace(
+        predictor="/my/predictor", eagle3_head="/my/head", model_drafter="eagle3", num_draft_tokens=12, slim_mask=None
+    )
     model = argparse.Namespace(with_own_cache=lambda: None)  # build_engine is replaced: no weights needed
     methods.make_method("hvd-tau", model, None, args, 512)
     (spec,) = built
@@ -57,19 +58,41 @@ def test_hvd_methods_take_the_jobs_spec_options(monkeypatch):
 
 @pytest.mark.slow
 def test_report_end_to_end(tmp_path):
-    cmd = [sys.executable, str(ROOT / "jobs" / "benchmark.py"), "--quick", "--per-workload", "1", "--max-tokens", "8",
-           "--workloads", "code", "--methods", "greedy", "suffix", "oracle", "--threads", "1",
-           "--vllm-python", "/nonexistent/python", "--out-dir", str(tmp_path)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                              "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        str(ROOT / "jobs" / "benchmark.py"),
+        "--quick",
+        "--per-workload",
+        "1",
+        "--max-tokens",
+        "8",
+        "--workloads",
+        "code",
+        "--methods",
+        "greedy",
+        "suffix",
+        "oracle",
+        "--threads",
+        "1",
+        "--vllm-python",
+        "/nonexistent/python",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     md = (tmp_path / "REPORT.md").read_text()
     assert "Machine: " in md and "torch " in md and "transformers " in md
     header = next(ln for ln in md.splitlines() if ln.startswith("| method | tok/s | vs greedy |"))
     cols = [c.strip() for c in header.strip("|").split("|")]
     rows = {}
-    for ln in md.splitlines()[md.splitlines().index(header) + 2:]:
+    for ln in md.splitlines()[md.splitlines().index(header) + 2 :]:
         if not ln.startswith("| "):
             break
         vals = [c.strip() for c in ln.strip("|").split("|")]
@@ -125,7 +148,9 @@ def test_a_vllm_peer_that_hangs_at_start_up_is_not_run(tmp_path):
 VLLM_PYTHON = os.environ.get("HVD_VLLM_PYTHON", str(Path.home() / ".cache/hvd-peers/vllm/bin/python"))
 
 
-@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason="no vLLM peer interpreter (bash ../shared/peers/setup_vllm.sh)")
+@pytest.mark.skipif(
+    not Path(VLLM_PYTHON).exists(), reason="no vLLM peer interpreter (bash ../shared/peers/setup_vllm.sh)"
+)
 def test_live_vllm_peers_interleave_and_decode_greedy():
     """The report's and `spec`'s vLLM methods (``vllm_runners``): three live peers at once, each in its
     own process (plain, suffix and EAGLE-3 decoding with the shipped head), answer prompt by prompt,
@@ -137,9 +162,13 @@ def test_live_vllm_peers_interleave_and_decode_greedy():
     from hvd_ray.selection.hvd import EAGLE3_ASSET
 
     model, tok = load("default", "float32")
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                           tokenize=False), add_special_tokens=False)["input_ids"]
-               for q in ("Write a Python function that reverses a string.", "Name three primary colours.")]
+    prompts = [
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for q in ("Write a Python function that reverses a string.", "Name three primary colours.")
+    ]
     params = SamplingParams(max_tokens=16)
     ours = [r.output for r in Engine(model, max_batch=1, max_len=512).generate(prompts, params)]
     names = ("vllm-greedy", "vllm-suffix", "vllm-eagle3")
@@ -156,10 +185,13 @@ def test_live_vllm_peers_interleave_and_decode_greedy():
 
 
 def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / "benchmark.py"), *args], capture_output=True,
-                          text=True, timeout=timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                               "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "benchmark.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_spec_on_a_user_prompt_file(tmp_path):
@@ -171,8 +203,23 @@ def test_spec_on_a_user_prompt_file(tmp_path):
     rows = [{"id": f"mine/{i}", "prompt": f"List {i + 2} colours, one per line."} for i in range(3)]
     mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "spec.md"
-    res = _bench("spec", "--prompt-file", str(mine), "--split", "all", "--prompts", "2", "--max-tokens", "6",
-                 "--drafters", "suffix", "--threads", "1", "--out", str(out))
+    res = _bench(
+        "spec",
+        "--prompt-file",
+        str(mine),
+        "--split",
+        "all",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "6",
+        "--drafters",
+        "suffix",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     md = out.read_text()
     table = [ln.split("|")[1:-1] for ln in md.splitlines() if ln.startswith("| my-agent |")]
@@ -185,9 +232,11 @@ def test_spec_on_a_user_prompt_file(tmp_path):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
-    for files, split, taken, why in (([bad], None, (), "needs a 'messages' list"),
-                                     ([mine], "test", (), "pass --split all"),
-                                     ([mine], None, ("my-agent",), "must differ")):
+    for files, split, taken, why in (
+        ([bad], None, (), "needs a 'messages' list"),
+        ([mine], "test", (), "pass --split all"),
+        ([mine], None, ("my-agent",), "must differ"),
+    ):
         with pytest.raises(ValueError, match=why):
             user_workloads([str(f) for f in files], split, taken)
     res = _bench("spec", "--prompt-file", str(tmp_path / "none.jsonl"), timeout=60)  # the CLI says it, exit 2
@@ -203,9 +252,27 @@ def test_spec_times_start_up_costs_on_a_busy_cpu_and_keeps_a_start_up_baseline(t
     with: ``+startup-costs`` keeps the start-up tables as they were (scale 1), side by side with the
     policy that re-fits them from its own forwards; outputs stay greedy's (fp32)."""
     out = tmp_path / "busy.md"
-    res = _bench("spec", "--workloads", "code", "--prompts", "2", "--max-tokens", "24", "--drafters", "hvd-cost",
-                 "hvd-cost+startup-costs", "--busy-startup", "1", "--dtype", "float32", "--threads", "1",
-                 "--out", str(out), timeout=600)
+    res = _bench(
+        "spec",
+        "--workloads",
+        "code",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "24",
+        "--drafters",
+        "hvd-cost",
+        "hvd-cost+startup-costs",
+        "--busy-startup",
+        "1",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     md = out.read_text()
     assert "Start-up cost tables timed while 1 other processes kept the CPU busy" in md
@@ -223,22 +290,53 @@ def test_spec_regimes_and_the_dominance_table(tmp_path):
     The repeat is drafted from the cache: fewer forwards than the cold pass of the same prompt. The
     agent turn finds its first turn's K/V in the slot (prefix reuse), unlike ``greedy+noreuse``."""
     out = tmp_path / "regimes.md"
-    res = _bench("spec", "--workloads", "code", "--prompts", "1", "--max-tokens", "32", "--drafters", "suffix",
-                 "hvd-cost", "oracle", "greedy+noreuse", "--regimes", "cold", "warm-repeat", "agent", "warm-history",
-                 "--history-prompts", "1", "--dtype", "float32", "--threads", "1", "--out", str(out), timeout=600)
+    res = _bench(
+        "spec",
+        "--workloads",
+        "code",
+        "--prompts",
+        "1",
+        "--max-tokens",
+        "32",
+        "--drafters",
+        "suffix",
+        "hvd-cost",
+        "oracle",
+        "greedy+noreuse",
+        "--regimes",
+        "cold",
+        "warm-repeat",
+        "agent",
+        "warm-history",
+        "--history-prompts",
+        "1",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     md = out.read_text()
     for regime in ("cold", "warm-repeat", "agent", "warm-history"):
         assert f"## {regime}" in md and f"| {regime} | code |" in md, regime
     assert "1 outputs of train-split prompts" in md
     sections = md.split("## ")
-    rows = {s.split("\n")[0]: {ln.split("|")[2].strip(): ln.split("|") for ln in s.splitlines()
-                               if ln.startswith("| code |")} for s in sections}
+    rows = {
+        s.split("\n")[0]: {
+            ln.split("|")[2].strip(): ln.split("|") for ln in s.splitlines() if ln.startswith("| code |")
+        }
+        for s in sections
+    }
     assert set(rows["cold"]) == {"greedy", "suffix", "hvd-cost", "oracle", "greedy+noreuse"}
     fwd = lambda regime: int(rows[regime]["suffix"][4])  # noqa: E731
     assert fwd("warm-repeat") < fwd("cold")
     reused = lambda regime, m: int(rows[regime][m][9].strip(" %"))  # noqa: E731
-    assert reused("agent", "greedy") > 50 and reused("agent", "hvd-cost") > 50 and reused("agent", "greedy+noreuse") == 0
+    assert (
+        reused("agent", "greedy") > 50 and reused("agent", "hvd-cost") > 50 and reused("agent", "greedy+noreuse") == 0
+    )
     same = md.split("Outputs identical to greedy (fp32): ")[1].split("\n")[0]
     assert same == "suffix 4/4, hvd-cost 4/4, oracle 4/4, greedy+noreuse 4/4", same
 
@@ -250,9 +348,28 @@ def test_memory_job_reports_rss_heap_and_tensors(tmp_path):
     import json
 
     out = tmp_path / "memory.md"
-    res = subprocess.run([sys.executable, str(ROOT / "jobs" / "memory.py"), "--drafters", "hvd", "--waves", "2",
-                          "--requests", "2", "--max-tokens", "4", "--threads", "1", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "jobs" / "memory.py"),
+            "--drafters",
+            "hvd",
+            "--waves",
+            "2",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "4",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [(r["drafter"], r["wave"], r["requests"]) for r in rows] == [("hvd", 1, 2), ("hvd", 2, 4)]
@@ -268,10 +385,34 @@ def test_batch_mode_runs_methods_in_closed_loop_losslessly(tmp_path):
     prompts (fp32), taking turns step by step on their own model copies; hvd-cost's outputs are
     greedy's (packed verify forwards with per-row draft lengths), and the table has a row per method."""
     out = tmp_path / "batch.md"
-    res = subprocess.run([sys.executable, str(ROOT / "jobs" / "benchmark.py"), "batch", "--drafters", "hvd-cost",
-                          "--concurrency", "2", "--prompts", "2", "--max-tokens", "24", "--workloads", "code", "chat",
-                          "--dtype", "float32", "--threads", "1", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "jobs" / "benchmark.py"),
+            "batch",
+            "--drafters",
+            "hvd-cost",
+            "--concurrency",
+            "2",
+            "--prompts",
+            "2",
+            "--max-tokens",
+            "24",
+            "--workloads",
+            "code",
+            "chat",
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 2 |")]
     assert [r[1] for r in rows] == ["greedy", "hvd-cost"]
@@ -289,9 +430,13 @@ def test_the_dominance_table_sets_the_union_tree_against_choose_one():
     def row(tokens, seconds, forwards):
         return {"tokens": tokens, "time": seconds, "forwards": forwards}
 
-    rows = {("code", "suffix"): row(100, 4.0, 50), ("code", "eagle3"): row(100, 5.0, 60),
-            ("code", "hvd-cost"): row(100, 3.0, 40), ("code", "hvd-cost-union"): row(100, 2.5, 36),
-            ("code", "oracle"): row(100, 2.0, 32)}
+    rows = {
+        ("code", "suffix"): row(100, 4.0, 50),
+        ("code", "eagle3"): row(100, 5.0, 60),
+        ("code", "hvd-cost"): row(100, 3.0, 40),
+        ("code", "hvd-cost-union"): row(100, 2.5, 36),
+        ("code", "oracle"): row(100, 2.0, 32),
+    }
     lines = dominance_table({"cold": rows}, ["code"], ["suffix", "eagle3", "hvd-cost", "hvd-cost-union", "oracle"])
     assert lines[0].startswith("| regime | workload | hvd-cost-union tok/s |")  # the shipped policy is judged
     assert lines[0].endswith("| union / choose-one tok/s | union / choose-one fwd |")

@@ -21,13 +21,52 @@ def test_spec_round_trips_through_argparse():
     ap = argparse.ArgumentParser()
     add_spec_arguments(ap)
     assert spec_from_args(ap.parse_args([])) == EngineSpec()
-    argv = ["--drafter", "hvd", "--policy", "tau", "--model-drafter", "layerskip", "--predictor", "p",
-            "--eagle3-head", "h", "--draft-model", "d", "--layerskip", "attn:3", "--slim", "default",
-            "--slim-mode", "tiered", "--num-draft-tokens", "4", "--cache-draft-tokens", "32", "--max-batch", "2",
-            "--max-len", "300", "--suffix-history", "traces"]
-    want = EngineSpec(drafter="hvd", policy="tau", model_drafter="layerskip", predictor="p", eagle3_head="h",
-                      draft_model="d", layerskip="attn:3", slim="default", slim_mode="tiered", num_draft_tokens=4,
-                      cache_draft_tokens=32, max_batch=2, max_len=300, suffix_history="traces")
+    argv = [
+        "--drafter",
+        "hvd",
+        "--policy",
+        "tau",
+        "--model-drafter",
+        "layerskip",
+        "--predictor",
+        "p",
+        "--eagle3-head",
+        "h",
+        "--draft-model",
+        "d",
+        "--layerskip",
+        "attn:3",
+        "--slim",
+        "default",
+        "--slim-mode",
+        "tiered",
+        "--num-draft-tokens",
+        "4",
+        "--cache-draft-tokens",
+        "32",
+        "--max-batch",
+        "2",
+        "--max-len",
+        "300",
+        "--suffix-history",
+        "traces",
+    ]
+    want = EngineSpec(
+        drafter="hvd",
+        policy="tau",
+        model_drafter="layerskip",
+        predictor="p",
+        eagle3_head="h",
+        draft_model="d",
+        layerskip="attn:3",
+        slim="default",
+        slim_mode="tiered",
+        num_draft_tokens=4,
+        cache_draft_tokens=32,
+        max_batch=2,
+        max_len=300,
+        suffix_history="traces",
+    )
     assert spec_from_args(ap.parse_args(argv)) == want
     assert {f.name for f in dataclasses.fields(EngineSpec)} == set(vars(ap.parse_args([])))  # every field rendered
     assert all(f.metadata["help"] for f in dataclasses.fields(EngineSpec))
@@ -47,20 +86,45 @@ def test_spec_round_trips_through_argparse():
     _add_generate(ap.add_subparsers(dest="cmd"))
     args = ap.parse_args(["generate", "--prompt", "x", "--drafter", "suffix", "--suffix-history", "t"])
     assert spec_from_args(args, max_batch=1, max_len=99) == EngineSpec(
-        drafter="suffix", num_draft_tokens=16, cache_draft_tokens=64, max_batch=1, max_len=99, suffix_history="t")
+        drafter="suffix", num_draft_tokens=16, cache_draft_tokens=64, max_batch=1, max_len=99, suffix_history="t"
+    )
 
 
 def test_serving_config_maps_to_the_spec():
     from hvd_ray.serving.config import ServingConfig
 
-    cfg = ServingConfig(drafter="hvd", policy="always-cache", model_drafter="layerskip", predictor="p",
-                        draft_model="d", layerskip="attn:3", slim="default", slim_mode="tiered", num_draft_tokens=5,
-                        cache_draft_tokens=40, max_batch=3, max_model_len=512, max_tokens=100,
-                        suffix_history="traces")
+    cfg = ServingConfig(
+        drafter="hvd",
+        policy="always-cache",
+        model_drafter="layerskip",
+        predictor="p",
+        draft_model="d",
+        layerskip="attn:3",
+        slim="default",
+        slim_mode="tiered",
+        num_draft_tokens=5,
+        cache_draft_tokens=40,
+        max_batch=3,
+        max_model_len=512,
+        max_tokens=100,
+        suffix_history="traces",
+    )
     assert cfg.engine_spec() == EngineSpec(
-        drafter="hvd", policy="always-cache", model_drafter="layerskip", predictor="p", draft_model="d",
-        layerskip="attn:3", slim="default", slim_mode="tiered", num_draft_tokens=5, cache_draft_tokens=40,
-        max_batch=3, max_len=512, suffix_history="traces", reuse_slots=4)  # serving keeps 4 slots of K/V
+        drafter="hvd",
+        policy="always-cache",
+        model_drafter="layerskip",
+        predictor="p",
+        draft_model="d",
+        layerskip="attn:3",
+        slim="default",
+        slim_mode="tiered",
+        num_draft_tokens=5,
+        cache_draft_tokens=40,
+        max_batch=3,
+        max_len=512,
+        suffix_history="traces",
+        reuse_slots=4,
+    )  # serving keeps 4 slots of K/V
     for cfg in (ServingConfig(), ServingConfig(drafter="eagle3", eagle3_head="h")):  # every field, same name
         spec = cfg.engine_spec()
         for f in dataclasses.fields(EngineSpec):
@@ -104,7 +168,9 @@ def test_build_engine_plain_suffix_and_slim_on_a_tiny_model(tiny):
     assert eng.cache_draft_tokens == 64 and eng.detokenize is None
     assert eng.generate([prompt], params)[0].output == want
     eng = build_engine(EngineSpec(drafter="layerskip", layerskip="attn:2", slim="attn:1-2", max_len=128), tiny, None)
-    assert isinstance(eng.slim, SlimTier) and eng.slim.mode == "lossless" and eng.slim.mask == [(1, "attn"), (2, "attn")]
+    assert (
+        isinstance(eng.slim, SlimTier) and eng.slim.mode == "lossless" and eng.slim.mask == [(1, "attn"), (2, "attn")]
+    )
     assert eng.drafters[0].skip == [(2, "attn")]
     assert eng.generate([prompt], params)[0].output == want  # lossless: the target still verifies everything
 
@@ -112,12 +178,14 @@ def test_build_engine_plain_suffix_and_slim_on_a_tiny_model(tiny):
 def test_build_engine_rejects_bad_input(tiny):
     from hvd_ray.drafters.suffix import SuffixDrafter
 
-    for spec, match in ((EngineSpec(drafter="magic"), "unknown drafter"),
-                        (EngineSpec(drafter="hvd", policy="coin-flip"), "unknown policy"),
-                        (EngineSpec(slim="attn:0"), "layer 0"),
-                        (EngineSpec(slim="attn:9"), "invalid slim-verifier"),
-                        (EngineSpec(slim="default", slim_mode="sometimes"), "slim mode|mask"),
-                        (EngineSpec(drafter="layerskip", suffix_history="anywhere"), "needs a suffix drafter")):
+    for spec, match in (
+        (EngineSpec(drafter="magic"), "unknown drafter"),
+        (EngineSpec(drafter="hvd", policy="coin-flip"), "unknown policy"),
+        (EngineSpec(slim="attn:0"), "layer 0"),
+        (EngineSpec(slim="attn:9"), "invalid slim-verifier"),
+        (EngineSpec(slim="default", slim_mode="sometimes"), "slim mode|mask"),
+        (EngineSpec(drafter="layerskip", suffix_history="anywhere"), "needs a suffix drafter"),
+    ):
         with pytest.raises(ValueError, match=match):
             build_engine(dataclasses.replace(spec, max_len=64), tiny, None)
     with pytest.raises(ValueError, match="suffix cache goes with"):

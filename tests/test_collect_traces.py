@@ -24,15 +24,35 @@ from hvd_ray.traces.collect import HvdRayGenerator, VllmGenerator, plan
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "collect_traces.py"
 BIN = Path(sys.executable).parent
-DECODING = {"temperature": 0.0, "max_tokens": 8, "dtype": "float32", "chat_template": True, "topk_logprobs": 0,
-            "eos_token_ids": [2]}
+DECODING = {
+    "temperature": 0.0,
+    "max_tokens": 8,
+    "dtype": "float32",
+    "chat_template": True,
+    "topk_logprobs": 0,
+    "eos_token_ids": [2],
+}
 
 
 def trace_row(pid: str, seq: int, **over) -> dict:
-    row = {"prompt_id": pid, "workload": "chat", "split": "test", "seq": seq, "prompt_tokens": [1, 2, 3],
-           "output_tokens": [4, 5], "finish_reason": "length", "model_id": "m", "model_revision": "rev",
-           "backend": "hvd_ray", "decoding": json.dumps({**DECODING, "device": "cpu"}), "prefill_s": 0.1,
-           "decode_s": 0.2, "created_at": None, "topk_ids": None, "topk_logprobs": None}
+    row = {
+        "prompt_id": pid,
+        "workload": "chat",
+        "split": "test",
+        "seq": seq,
+        "prompt_tokens": [1, 2, 3],
+        "output_tokens": [4, 5],
+        "finish_reason": "length",
+        "model_id": "m",
+        "model_revision": "rev",
+        "backend": "hvd_ray",
+        "decoding": json.dumps({**DECODING, "device": "cpu"}),
+        "prefill_s": 0.1,
+        "decode_s": 0.2,
+        "created_at": None,
+        "topk_ids": None,
+        "topk_logprobs": None,
+    }
     return {**row, **over}
 
 
@@ -121,7 +141,7 @@ def test_teacher_forced_topk_matches_a_full_forward(tiny_llama):
         if not o:
             continue
         model.cache.truncate(0, 0)
-        logits = model(torch.tensor([p + o]), [0]).logits[0, len(p) - 1: len(p) + len(o) - 1]
+        logits = model(torch.tensor([p + o]), [0]).logits[0, len(p) - 1 : len(p) + len(o) - 1]
         ref_v, ref_i = torch.log_softmax(logits.float(), -1).topk(4, -1)
         assert torch.allclose(torch.tensor(lps), ref_v, atol=1e-4)
         assert [r[0] for r in ids] == o == ref_i[:, 0].tolist()  # greedy: top-1 is the output token
@@ -132,6 +152,7 @@ def test_teacher_forced_topk_matches_a_full_forward(tiny_llama):
 def test_vllm_backend_fails_clearly_when_missing():
     try:
         import vllm  # noqa: F401
+
         pytest.skip("vllm is installed here")
     except ImportError:
         pass
@@ -151,6 +172,7 @@ def _job_module():
 def test_job_refuses_vllm_backend_without_vllm(tmp_path, capsys):
     try:
         import vllm  # noqa: F401
+
         pytest.skip("vllm is installed here")
     except ImportError:
         pass
@@ -173,8 +195,14 @@ def test_user_prompt_file_input(tmp_path):
 
 
 def _env() -> dict:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     env.pop("RAY_ADDRESS", None)  # the direct run must start its own Ray, never join another one
     return env
 
@@ -207,11 +235,29 @@ def ray_head():
     never `ray stop`, which would stop every Ray instance on the machine."""
     port, dash, client, agent = _free_ports(4)
     temp_dir = tempfile.mkdtemp(prefix="hvdrt", dir="/tmp")  # short: Unix socket paths are limited
-    cmd = [str(BIN / "ray"), "start", "--head", "--port", str(port), "--dashboard-port", str(dash),
-           "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
-           "--num-cpus", "2", "--include-dashboard", "true", "--temp-dir", temp_dir, "--disable-usage-stats"]
-    proc = subprocess.Popen(cmd, env=_env(), start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--port",
+        str(port),
+        "--dashboard-port",
+        str(dash),
+        "--ray-client-server-port",
+        str(client),
+        "--dashboard-agent-listen-port",
+        str(agent),
+        "--num-cpus",
+        "2",
+        "--include-dashboard",
+        "true",
+        "--temp-dir",
+        temp_dir,
+        "--disable-usage-stats",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     pgid = proc.pid  # setsid: every daemon `ray start` spawns stays in this process group
     try:
         log, _ = proc.communicate(timeout=120)
@@ -251,8 +297,24 @@ def test_collect_direct_then_resumed_by_ray_job_submit(tmp_path, default_folder)
         print(f"[{time.monotonic() - t0:5.1f}s] {what}", flush=True)
 
     out = tmp_path / "traces"
-    common = ["--workload", "code", "--split", "test", "--out", str(out), "--max-tokens", "8", "--dtype",
-              "float32", "--topk-logprobs", "5", "--batch-size", "2", "--rows-per-file", "2"]
+    common = [
+        "--workload",
+        "code",
+        "--split",
+        "test",
+        "--out",
+        str(out),
+        "--max-tokens",
+        "8",
+        "--dtype",
+        "float32",
+        "--topk-logprobs",
+        "5",
+        "--batch-size",
+        "2",
+        "--rows-per-file",
+        "2",
+    ]
 
     # 1. direct: starts its own local Ray; 3 prompts, one per engine batch and per part file
     s = _summary(_run([sys.executable, str(JOB), *common, "--limit", "3", "--batch-size", "1", "--rows-per-file", "1"]))
@@ -271,9 +333,26 @@ def test_collect_direct_then_resumed_by_ray_job_submit(tmp_path, default_folder)
     # 3. resume with N + M prompts through `ray job submit` on a private head node
     with ray_head() as address:
         tick("head started")
-        log = _run([str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT),
-                    "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", ".hypothesis", ".pytest_cache"]}),
-                    "--", "python", "jobs/collect_traces.py", *common, "--limit", "6"], timeout=400)
+        log = _run(
+            [
+                str(BIN / "ray"),
+                "job",
+                "submit",
+                "--address",
+                address,
+                "--working-dir",
+                str(ROOT),
+                "--runtime-env-json",
+                json.dumps({"excludes": [".venv", ".git", ".hypothesis", ".pytest_cache"]}),
+                "--",
+                "python",
+                "jobs/collect_traces.py",
+                *common,
+                "--limit",
+                "6",
+            ],
+            timeout=400,
+        )
         tick("job done")
     tick("head stopped")
     assert "joined" in log and "succeeded" in log, log[-3000:]

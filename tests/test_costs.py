@@ -35,8 +35,14 @@ def test_width_costs_more_after_a_long_context():
     """Every verified token attends over the whole context, so a wide forward costs more, relative
     to a one-token forward, after 4,000 tokens than after 64 (bf16 here: 32 tokens 2.3x against
     1.46x): seconds are linear in the context between the two measured tables and beyond them."""
-    costs = StepCosts({1: 1.0, 32: 1.5}, forward_s=0.01, long_table={1: 1.0, 32: 2.5}, long_forward_s=0.02,
-                      prefix=64, long_prefix=1064)
+    costs = StepCosts(
+        {1: 1.0, 32: 1.5},
+        forward_s=0.01,
+        long_table={1: 1.0, 32: 2.5},
+        long_forward_s=0.02,
+        prefix=64,
+        long_prefix=1064,
+    )
     assert costs(32) == costs(32, 64) == 1.5 and costs(32, 1064) == pytest.approx(2.5)
     assert costs(32, 564) == pytest.approx((0.005 * 1.5 + 0.01 * 2.5) / 0.015)  # halfway in seconds
     assert costs(32, 564) < costs(32, 1064) < costs(32, 3000) < 3.0  # toward the long table's slope
@@ -74,7 +80,9 @@ def test_a_batch_s_rows_cost_what_the_engine_s_steps_measured():
     for _ in range(300):
         costs.observe(8, 8, 0.01 * (1.2 + 7 * 0.3))
     assert costs.row_at(8) == pytest.approx(0.3, rel=1e-3)
-    assert costs.batch(8, 9) == pytest.approx(costs(9) + 2.1) and costs.per_row(2, 8) == pytest.approx((costs(9) + 2.1) / 8)
+    assert costs.batch(8, 9) == pytest.approx(costs(9) + 2.1) and costs.per_row(2, 8) == pytest.approx(
+        (costs(9) + 2.1) / 8
+    )
     costs.observe(1, 1, 1.0)  # a lone row says nothing about rows
     assert costs.row_at(8) == pytest.approx(0.3, rel=1e-3)
     # each batch size has its own (here ~0 per row at 2, ~0.14 at 8): one average priced batch 8 low
@@ -128,8 +136,15 @@ def test_a_table_timed_on_a_busy_box_is_re_fitted_from_the_lone_forwards_decoded
         few.observe(1, k, 0.02)
     assert few.width_scale == 1.0
     # a lone forward after a long context is read at the tables' context: its 1-token time is longer
-    long = StepCosts({1: 1.0, 32: 2.0}, forward_s=0.01, long_table={1: 1.0, 32: 2.0}, long_forward_s=0.03,
-                     prefix=64, long_prefix=2064, measured=True)
+    long = StepCosts(
+        {1: 1.0, 32: 2.0},
+        forward_s=0.01,
+        long_table={1: 1.0, 32: 2.0},
+        long_forward_s=0.03,
+        prefix=64,
+        long_prefix=2064,
+        measured=True,
+    )
     for i in range(100):
         k, ctx = (2, 33)[i % 2], (64, 2064)[(i // 2) % 2]
         long.observe(1, k, long.one_s(ctx) * long(k, ctx), ctx)

@@ -30,8 +30,9 @@ from hvd_ray.model import Transformer
 
 # ------------------------------------------------------------------------------------ cost
 def _np_r(p, q, alpha, beta):
-    return (p * np.maximum(0, np.log(1 - alpha) + np.log(p) - np.log(q))).sum() + \
-        (q * np.maximum(0, np.log(beta) + np.log(p) - np.log(q))).sum()
+    return (p * np.maximum(0, np.log(1 - alpha) + np.log(p) - np.log(q))).sum() + (
+        q * np.maximum(0, np.log(beta) + np.log(p) - np.log(q))
+    ).sum()
 
 
 def _dists(rng, n, v):
@@ -57,8 +58,9 @@ def test_kl_matches_torch_and_numpy():
     got = kl(torch.tensor(np.log(q)), torch.tensor(np.log(s)))
     want = (q * (np.log(q) - np.log(s))).sum(-1)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
-    ref = torch.nn.functional.kl_div(torch.tensor(np.log(s)), torch.tensor(np.log(q)), log_target=True,
-                                     reduction="none").sum(-1)
+    ref = torch.nn.functional.kl_div(
+        torch.tensor(np.log(s)), torch.tensor(np.log(q)), log_target=True, reduction="none"
+    ).sum(-1)
     np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-5)
     assert torch.allclose(kl(torch.tensor(np.log(q)), torch.tensor(np.log(q))), torch.zeros(8), atol=1e-7)
 
@@ -194,8 +196,9 @@ def test_evaluator_against_full_forward(tiny):
     tiny.setup_cache(1, 128)
     lp = torch.log_softmax(tiny(torch.tensor([s.tokens]), [0]).logits[0].float(), -1)
     st = s.starts[0]
-    np.testing.assert_allclose(ev.logq[0, 0, :, :16].numpy(),
-                               lp[st: st + 8].gather(-1, ev.ids[0, 0]).numpy(), atol=1e-4)
+    np.testing.assert_allclose(
+        ev.logq[0, 0, :, :16].numpy(), lp[st : st + 8].gather(-1, ev.ids[0, 0]).numpy(), atol=1e-4
+    )
 
 
 def test_greedy_meets_budget(tiny):
@@ -208,14 +211,31 @@ def test_greedy_meets_budget(tiny):
 def test_tiny_tune_search(tiny_llama, tmp_path):
     import ray
 
-    problem = SearchProblem(model=str(tiny_llama), dtype="float32", device="cpu", seqs=_seqs(4),
-                            costs=SubLayerCosts.uniform(4, attn=1.0, mlp=2.0), budget=0.6, objective="r",
-                            width=8, topk=16)
+    problem = SearchProblem(
+        model=str(tiny_llama),
+        dtype="float32",
+        device="cpu",
+        seqs=_seqs(4),
+        costs=SubLayerCosts.uniform(4, attn=1.0, mlp=2.0),
+        budget=0.6,
+        objective="r",
+        width=8,
+        topk=16,
+    )
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         seeds = screen_seeds({param_name(c): float(c[0]) for c in SlimMask.candidates(4)}, problem.costs, 2)
-        res = run_search(problem, trials=8, parallel=2, startup=4, random_every=2, storage=str(tmp_path), verbose=0,
-                         seeds=seeds, local_sigma=0.05)
+        res = run_search(
+            problem,
+            trials=8,
+            parallel=2,
+            startup=4,
+            random_every=2,
+            storage=str(tmp_path),
+            verbose=0,
+            seeds=seeds,
+            local_sigma=0.05,
+        )
     finally:
         ray.shutdown()
     assert len(res.trials) == 8

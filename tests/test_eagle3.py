@@ -97,8 +97,15 @@ def test_checkpoint_layout_matches_vllm_eagle3(target, tmp_path):
     assert cfg["target_hidden_size"] == H and cfg["hidden_size"] == H
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, N_LAYERS // 2, N_LAYERS - 3]
     assert cfg["tie_word_embeddings"] is False
-    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "rms_norm_eps", "rope_theta", "max_position_embeddings"):
+    for key in (
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+    ):
         assert key in cfg
     from transformers import LlamaConfig  # the config is a valid HF Llama config, as vLLM reads it
 
@@ -173,7 +180,7 @@ def test_a_warm_started_head_decodes_the_targets_high_tap(target):
     taps = torch.randn(1, 7, 3 * H, generator=torch.Generator().manual_seed(7))
     tokens = torch.tensor([prompt_ids(7, 8)])
     logits = head.teacher_forward(tokens, taps)
-    expected = target.norm(taps[..., 2 * H:]) @ target.output.weight[torch.tensor(ids)].T
+    expected = target.norm(taps[..., 2 * H :]) @ target.output.weight[torch.tensor(ids)].T
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     cold = Eagle3Head.from_target(target, ids, seed=3)
     assert not torch.allclose(cold.teacher_forward(tokens, taps), expected, atol=1e-2)
@@ -247,8 +254,14 @@ def test_catch_ups_together_equal_one_by_one(target):
         assert all(x.setup_s == 0 for x in d.propose(asks))  # nothing left to catch up
         states = [d._state(f"r{i}") for i in range(3)]
         assert [d.committed(f"r{i}") for i in range(3)] == [n for n in lens]
-        runs.append((drafts, [s.logp.clone() for s in states], [s.hidden.clone() for s in states],
-                     [head_snapshot(head, i, n) for i, n in enumerate(lens)]))
+        runs.append(
+            (
+                drafts,
+                [s.logp.clone() for s in states],
+                [s.hidden.clone() for s in states],
+                [head_snapshot(head, i, n) for i, n in enumerate(lens)],
+            )
+        )
     (d1, lp1, h1, kv1), (d2, lp2, h2, kv2) = runs
     assert [x.token_ids for x in d1] == [x.token_ids for x in d2]
     for a, b in zip(lp1 + h1, lp2 + h2):

@@ -69,11 +69,26 @@ def _smoke_traces(tmp_path):
     for i in range(24):
         base = torch.randint(3, 60, (6,), generator=g).tolist()
         seq = (base * 8)[: 30 + i % 5]
-        rows.append({"prompt_id": f"smoke/{i}", "workload": "chat", "split": "train", "seq": i,
-                     "prompt_tokens": seq[:8], "output_tokens": seq[8:], "finish_reason": "length",
-                     "model_id": "tiny", "model_revision": "x", "backend": "hvd_ray", "decoding": "{}",
-                     "prefill_s": 0.0, "decode_s": 0.0, "created_at": datetime.now(UTC),
-                     "topk_ids": None, "topk_logprobs": None})
+        rows.append(
+            {
+                "prompt_id": f"smoke/{i}",
+                "workload": "chat",
+                "split": "train",
+                "seq": i,
+                "prompt_tokens": seq[:8],
+                "output_tokens": seq[8:],
+                "finish_reason": "length",
+                "model_id": "tiny",
+                "model_revision": "x",
+                "backend": "hvd_ray",
+                "decoding": "{}",
+                "prefill_s": 0.0,
+                "decode_s": 0.0,
+                "created_at": datetime.now(UTC),
+                "topk_ids": None,
+                "topk_logprobs": None,
+            }
+        )
     folders = [tmp_path / "traces-a", tmp_path / "traces-b"]
     for k, folder in enumerate(folders):
         folder.mkdir()
@@ -106,12 +121,44 @@ def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
     folders, rows = _smoke_traces(tmp_path)  # two trace folders, trained on together
     out = tmp_path / "head"
     env = _job_env()
-    common = ["--model", str(tiny_llama), "--minutes", "3", "--draft-vocab", "64", "--max-len", "64",
-              "--threads", "1", "--lr", "3e-3", "--feature-dtype", "float32"]
+    common = [
+        "--model",
+        str(tiny_llama),
+        "--minutes",
+        "3",
+        "--draft-vocab",
+        "64",
+        "--max-len",
+        "64",
+        "--threads",
+        "1",
+        "--lr",
+        "3e-3",
+        "--feature-dtype",
+        "float32",
+    ]
     epochs = 6
-    res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", *map(str, folders), "--out", str(out),
-                          "--epochs", str(epochs), "--workers", "2", "--cpus-per-worker", "0.5", *common],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "jobs/train_eagle3.py",
+            "--traces",
+            *map(str, folders),
+            "--out",
+            str(out),
+            "--epochs",
+            str(epochs),
+            "--workers",
+            "2",
+            "--cpus-per-worker",
+            "0.5",
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     meta = json.loads((out / "training.json").read_text())
     m = meta["train_metrics"]
@@ -138,9 +185,25 @@ def test_train_eagle3_job_smoke(tiny_llama, tmp_path):
 
     # --init fine-tunes that head: same draft vocabulary, and it starts where the first run ended
     tuned = tmp_path / "tuned"
-    res = subprocess.run([sys.executable, "jobs/train_eagle3.py", "--traces", *map(str, folders), "--out", str(tuned),
-                          "--init", os.path.join(meta["checkpoint"], "head"), "--epochs", "1", *common],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "jobs/train_eagle3.py",
+            "--traces",
+            *map(str, folders),
+            "--out",
+            str(tuned),
+            "--init",
+            os.path.join(meta["checkpoint"], "head"),
+            "--epochs",
+            "1",
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     again = Eagle3Head.load(tuned, target, dtype=torch.float32)
     assert torch.equal(again.d2t, shipped.d2t)

@@ -43,8 +43,7 @@ def test_non_finite_sampling_fails_only_that_request(target, prompts, plain):
     model, _ = target
     engine = Engine(model, drafters=[make_drafter("suffix", model)], max_batch=4, max_len=1024)
     greedy = SamplingParams(max_tokens=MAX_NEW)
-    reqs, outs = _run(engine, [prompts[0], prompts[1], prompts[2], prompts[3]],
-                      [greedy, _poisoned(), greedy, greedy])
+    reqs, outs = _run(engine, [prompts[0], prompts[1], prompts[2], prompts[3]], [greedy, _poisoned(), greedy, greedy])
     bad = reqs[1]
     assert bad.finish_reason == "error" and "not finite" in bad.error
     errs = [o for o in outs if o.finish_reason == "error"]
@@ -119,8 +118,9 @@ def test_engine_loop_failure_reaches_every_waiter(tiny_llama):
         for i, s in enumerate(streams):
             el.submit([1, 2, 3 + i], SamplingParams(max_tokens=50), f"r{i}", s)
         evs = [await asyncio.wait_for(s.queue.get(), 30) for s in streams]
-        assert all(e["type"] == "error" and e["status"] == 500 and "injected forward fault" in e["message"]
-                   for e in evs), evs
+        assert all(
+            e["type"] == "error" and e["status"] == 500 and "injected forward fault" in e["message"] for e in evs
+        ), evs
         assert not el.stats()["healthy"]
         with pytest.raises(RuntimeError, match="engine loop failed"):
             el.submit([1], SamplingParams(max_tokens=1), "late", _Stream(loop, asyncio.Queue()))

@@ -41,10 +41,16 @@ def test_greedy_matches_transformers_on_real_prompts(fp32_default, default_folde
         ours = engine.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True))[0].output
         with torch.no_grad():
             # explicit attention mask: the chat template contains the pad id, which HF would mask out
-            out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               max_new_tokens=24, do_sample=False,
-                               eos_token_id=None, pad_token_id=tok.eos_token_id, min_new_tokens=24)
-        assert ours == out[0, len(ids):].tolist()
+            out = ref.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tok.eos_token_id,
+                min_new_tokens=24,
+            )
+        assert ours == out[0, len(ids) :].tolist()
 
 
 @pytest.mark.slow
@@ -115,22 +121,48 @@ def test_text_helpers(default_folder):
 def test_cli_generate_matches_engine(fp32_default):
     model, tok = fp32_default
     prompt = "The three primary colors are"
-    want = Engine(model, max_batch=1).generate([tok(prompt)["input_ids"]],
-                                               SamplingParams(max_tokens=12, ignore_eos=False))[0]
+    want = Engine(model, max_batch=1).generate(
+        [tok(prompt)["input_ids"]], SamplingParams(max_tokens=12, ignore_eos=False)
+    )[0]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "hvd_ray", "generate", "--prompt", prompt, "--max-tokens", "12",
-                          "--dtype", "float32", "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hvd_ray",
+            "generate",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "12",
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip("\n") == tok.decode(want.output, skip_special_tokens=True)
     assert "tok/s" in out.stderr and "target forwards per 1k tokens" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "hvd_ray", "generate", "--prompt", "x", "--model", "/nonexistent"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "hvd_ray", "generate", "--prompt", "x", "--model", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "neither a known name" in bad.stderr
 
 
 # ------------------------------------------------------------------- incremental text and stop strings
-_MIXED = ("héllo wörld — ok 😀😀 🎉🎉🎉 世界你好，这是一个测试。日本語のテキスト 한국어 텍스트 👨‍👩‍👧‍👦 🏳️‍🌈\n"
-          "def f(x):\n    if x:\n        return '✓'  # 🚀\n\treturn None\n\n\nclass A:\n    pass\n")
+_MIXED = (
+    "héllo wörld — ok 😀😀 🎉🎉🎉 世界你好，这是一个测试。日本語のテキスト 한국어 텍스트 👨‍👩‍👧‍👦 🏳️‍🌈\n"
+    "def f(x):\n    if x:\n        return '✓'  # 🚀\n\treturn None\n\n\nclass A:\n    pass\n"
+)
 
 
 class _CountingTok:
@@ -235,8 +267,9 @@ def test_engine_finds_a_long_stop_string(fp32_default):
     r = engine.generate([prompt], SamplingParams(**params, stop=[stop]))[0]
     assert r.finish_reason == "stop" and r.output == plain[:end]  # one token a step: not one past
     # a speculative step emits several tokens; the stop string is found in the step it ends in
-    cached = Engine(model, drafters=[SuffixDrafter()], max_batch=1, max_len=1024, eos_token_ids=[tok.eos_token_id],
-                    detokenize=detok)
+    cached = Engine(
+        model, drafters=[SuffixDrafter()], max_batch=1, max_len=1024, eos_token_ids=[tok.eos_token_id], detokenize=detok
+    )
     cached.generate([prompt], SamplingParams(**params))  # now the suffix cache drafts this output
     r = cached.generate([prompt], SamplingParams(**params, stop=[stop]))[0]
     assert r.finish_reason == "stop" and r.output == plain[: len(r.output)]

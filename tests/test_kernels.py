@@ -27,15 +27,16 @@ def interpreted() -> dict[str, str | None]:
     """``hvd_ray.kernels.checks.run_checks`` under the Triton interpreter: ``{check: None | error}``."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install triton): the kernels cannot be interpreted")
-    code = ("import json, torch; torch.set_num_threads(1)\n"
-            "from hvd_ray.kernels.checks import Setup, run_checks\n"
-            "print('RESULTS ' + json.dumps(run_checks(Setup(samples=200))))\n")
+    code = (
+        "import json, torch; torch.set_num_threads(1)\n"
+        "from hvd_ray.kernels.checks import Setup, run_checks\n"
+        "print('RESULTS ' + json.dumps(run_checks(Setup(samples=200))))\n"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return json.loads(line[len("RESULTS ") :])
 
 
 def test_every_check_ran(interpreted):
@@ -64,6 +65,7 @@ def test_interpreter_setting_does_not_leak():
 
 # --- the torch side, in process ---------------------------------------------------------------
 
+
 def test_cpu_dispatch_runs_the_references():
     from hvd_ray import kernels
     from hvd_ray.verification import greedy_accept_chain_batch, greedy_accept_tree
@@ -81,7 +83,7 @@ def test_cpu_dispatch_runs_the_references():
     for b, m in enumerate((4, 4, 2)):
         want_path, want_bonus = greedy_accept_tree(logits[b, : m + 1], drafts[b, :m], parents[b, :m].tolist())
         assert path[b, : n[b]].tolist() == want_path and int(bonus[b]) == want_bonus
-        assert (path[b, n[b]:] == -1).all()
+        assert (path[b, n[b] :] == -1).all()
 
 
 def test_greedy_references_walk_like_the_engine():
@@ -99,8 +101,10 @@ def test_greedy_references_walk_like_the_engine():
         drafts = torch.where(torch.rand(B, N, generator=g) < 0.7, best[:, :N], torch.randint(0, V, (B, N), generator=g))
         lens = torch.randint(0, N + 1, (B,), generator=g)
         acc, bonus = verify_greedy_torch(logits, drafts, lens)
-        parents = torch.tensor([[int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(N)]
-                                for _ in range(B)], dtype=torch.long).reshape(B, N)
+        parents = torch.tensor(
+            [[int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(N)] for _ in range(B)],
+            dtype=torch.long,
+        ).reshape(B, N)
         path, plen, tbonus = verify_tree_torch(logits, drafts, parents, lens)
         for b in range(B):
             n = int(lens[b])
@@ -127,8 +131,9 @@ def test_rejection_reference_accepts_like_the_engine(with_q):
         gen = torch.Generator().manual_seed(seed)
         accept_u = torch.rand(n, generator=gen)[None]
         sample_u = torch.rand(1, generator=gen)
-        acc, tok = verify_rejection_torch(p[None], follow[None], [n], accept_u, sample_u,
-                                          None if q is None else q[None])
+        acc, tok = verify_rejection_torch(
+            p[None], follow[None], [n], accept_u, sample_u, None if q is None else q[None]
+        )
         assert int(acc) == k_engine
         row = p[int(acc)]
         assert row[int(tok)] > 0
@@ -170,7 +175,7 @@ def test_compact_reference_equals_kvcache_compact():
     compact_kv_torch(k, v, [1], [10], [[0, 3, 4, 8]])
     assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, k + v))
     assert cache.lengths[1] == 14
-    compact_kv(k, v, [2, 0], [0, 5], [[0, 1], [0, 2]])   # CPU: the reference; the no-op entry is skipped
+    compact_kv(k, v, [2, 0], [0, 5], [[0, 1], [0, 2]])  # CPU: the reference; the no-op entry is skipped
     assert torch.equal(k[0][0, :, 6], cache.k[0][0, :, 7])
     with pytest.raises(ValueError, match="increasing"):
         compact_kv(k, v, [0], [0], [[0, 2, 2]])
@@ -197,8 +202,13 @@ def test_nothing_imports_a_top_level_kernels():
     for d in ("hvd_ray", "tests", "jobs"):
         for p in sorted((ROOT / d).rglob("*.py")):
             for node in ast.walk(ast.parse(p.read_text(), str(p))):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
                 bad += [f"{p.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] == "kernels"]
     assert not bad, "imports of a top-level kernels:\n" + "\n".join(bad)
 
@@ -213,8 +223,7 @@ def test_transformers_imports_its_hub_kernels():
 
 def test_importing_the_package_is_cheap():
     """``import hvd_ray.kernels`` (the verify functions import it lazily) does not load Triton."""
-    code = ("import sys, hvd_ray.kernels as kn; assert 'triton' not in sys.modules; kn.verify_greedy; "
-            "print('ok')")
+    code = "import sys, hvd_ray.kernels as kn; assert 'triton' not in sys.modules; kn.verify_greedy; print('ok')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
@@ -222,7 +231,12 @@ def test_importing_the_package_is_cheap():
 def test_check_gpu_without_cuda_exits_cleanly():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: run hvd_ray/kernels/check_gpu.py itself")
-    proc = subprocess.run([sys.executable, str(ROOT / "hvd_ray" / "kernels" / "check_gpu.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "hvd_ray" / "kernels" / "check_gpu.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device" in proc.stdout

@@ -47,20 +47,28 @@ DEPTH = 4
 MIN_PROB = 0.0  # random tiny models are unsure of everything: no confidence stop
 
 
-def write_traces(folder: Path, prompts, outputs, max_tokens: int, seqs=None, splits=None,
-                 finish=None) -> Path:
+def write_traces(folder: Path, prompts, outputs, max_tokens: int, seqs=None, splits=None, finish=None) -> Path:
     """A TRACE_SCHEMA parquet folder for (prompt, output) pairs."""
     n = len(prompts)
     seqs = list(range(n)) if seqs is None else list(seqs)
     rows = dict(
-        prompt_id=[f"p{s}" for s in seqs], workload=["synthetic"] * n,
-        split=list(splits) if splits is not None else ["train"] * n, seq=seqs,
-        prompt_tokens=[list(p) for p in prompts], output_tokens=[list(o) for o in outputs],
-        finish_reason=list(finish) if finish is not None else ["length"] * n, model_id=["tiny"] * n,
-        model_revision=["test"] * n, backend=["hvd_ray"] * n,
+        prompt_id=[f"p{s}" for s in seqs],
+        workload=["synthetic"] * n,
+        split=list(splits) if splits is not None else ["train"] * n,
+        seq=seqs,
+        prompt_tokens=[list(p) for p in prompts],
+        output_tokens=[list(o) for o in outputs],
+        finish_reason=list(finish) if finish is not None else ["length"] * n,
+        model_id=["tiny"] * n,
+        model_revision=["test"] * n,
+        backend=["hvd_ray"] * n,
         decoding=[json.dumps({"max_tokens": max_tokens, "temperature": 0.0, "dtype": "float32"})] * n,
-        prefill_s=[0.0] * n, decode_s=[0.0] * n, created_at=[None] * n, topk_ids=[None] * n,
-        topk_logprobs=[None] * n)
+        prefill_s=[0.0] * n,
+        decode_s=[0.0] * n,
+        created_at=[None] * n,
+        topk_ids=[None] * n,
+        topk_logprobs=[None] * n,
+    )
     folder.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pydict(rows, schema=TRACE_SCHEMA), folder / "part-0.parquet")
     return folder
@@ -86,17 +94,36 @@ def tiny_setup() -> dict:
     model = Transformer.from_pretrained(folder, dtype=torch.float32)
     prompts = tiny_prompts(6)
     reqs = Engine(model, max_batch=1, max_len=512).generate(
-        prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    )
     outputs = [r.output for r in reqs]
-    traces = write_traces(root / "traces", prompts, outputs, MAX_NEW,
-                          splits=["train", "train", "test", "train", "validation", "test"])
-    return {"root": root, "folder": folder, "model": model, "prompts": prompts, "outputs": outputs,
-            "traces": traces, "tokenizer": str(resolve("default"))}
+    traces = write_traces(
+        root / "traces", prompts, outputs, MAX_NEW, splits=["train", "train", "test", "train", "validation", "test"]
+    )
+    return {
+        "root": root,
+        "folder": folder,
+        "model": model,
+        "prompts": prompts,
+        "outputs": outputs,
+        "traces": traces,
+        "tokenizer": str(resolve("default")),
+    }
 
 
 def replay_config(s: dict, **kw) -> dict:
-    base = dict(model=str(s["folder"]), tokenizer=s["tokenizer"], dtype="float32", model_drafter="layerskip",
-                skip=SKIP, depth=DEPTH, min_prob=MIN_PROB, max_draft=16, batch_slots=4, threads=1)
+    base = dict(
+        model=str(s["folder"]),
+        tokenizer=s["tokenizer"],
+        dtype="float32",
+        model_drafter="layerskip",
+        skip=SKIP,
+        depth=DEPTH,
+        min_prob=MIN_PROB,
+        max_draft=16,
+        batch_slots=4,
+        threads=1,
+    )
     base.update(kw)
     return base
 
@@ -159,8 +186,11 @@ def test_cache_labels_equal_brute_force(setup):
             assert (got.token_ids, got.source, got.match_len) == (ref.token_ids, ref.source, ref.match_len), (k, t)
             assert got.score == pytest.approx(ref.score)
             brute_y = 0
-            while brute_y < len(ref.token_ids) and t + brute_y < len(tr.output) and \
-                    ref.token_ids[brute_y] == tr.output[t + brute_y]:
+            while (
+                brute_y < len(ref.token_ids)
+                and t + brute_y < len(tr.output)
+                and ref.token_ids[brute_y] == tr.output[t + brute_y]
+            ):
                 brute_y += 1
             assert y == brute_y
             if ref.token_ids:
@@ -213,8 +243,9 @@ def test_model_labels_equal_brute_force(setup, kind):
         drafter = LayerSkipDrafter(model, parse_skip(SKIP), depth=DEPTH, min_prob=MIN_PROB)
     else:
         head = Eagle3Head.from_target(model, draft_vocab_size=200, seed=3, dtype=torch.float32)
-        drafter = Eagle3Drafter(model, head, tree=kind.endswith("tree"), depth=3, top_k=3, max_nodes=8,
-                                slots=4, max_len=512)
+        drafter = Eagle3Drafter(
+            model, head, tree=kind.endswith("tree"), depth=3, top_k=3, max_nodes=8, slots=4, max_len=512
+        )
     tr = traces_from_table(read_trace_table(s["traces"]))[2]
     budgets = budgets_for(tr, 6)
     y, lens, drafts = model_drafter_labels(drafter, tr.prompt, tr.output, budgets, batch=4, return_drafts=True)
@@ -224,9 +255,9 @@ def test_model_labels_equal_brute_force(setup, kind):
     for t in range(1, len(tr.output)):
         L = len(tr.prompt) + t
         model.cache.truncate(0, 0)
-        out = model(torch.tensor([seq[:L - 1]]), [0], taps=tuple(sorted(set(drafter.needs_taps))), last_only=True)
+        out = model(torch.tensor([seq[: L - 1]]), [0], taps=tuple(sorted(set(drafter.needs_taps))), last_only=True)
         if kind != "layerskip":
-            drafter.begin("r", seq[:L - 1], 0)
+            drafter.begin("r", seq[: L - 1], 0)
             taps = torch.cat([out.taps[sorted(set(drafter.needs_taps)).index(i)][0] for i in drafter.needs_taps], -1)
             drafter.observe_target("r", seq[1:L], taps)
         ref = drafter.propose([DraftRequest("r", 0, seq[:L], int(budgets[t]))])[0]
@@ -256,7 +287,6 @@ def test_labels_schema_and_columns(setup):
     assert {d["split"][i] for i in range(lab.num_rows)} == {"train", "test", "validation"}
 
 
-
 def test_repeat_regime_labels_a_second_pass_and_leaves_the_cold_ones_alone(setup):
     """--repeat: each trace again, right after, as its own request with its own first answer in the
     global tree (a retry); the cold rows, and so every later trace's history, stay what they were."""
@@ -276,6 +306,7 @@ def test_repeat_regime_labels_a_second_pass_and_leaves_the_cold_ones_alone(setup
     assert sum(y == L for y, L in zip(rep["y_cache"], rep["cache_len"])) >= 0.75 * n
     assert sum(rep["y_cache"]) > 1.5 * sum(cold.column("y_cache").to_pylist())
     assert rep["y_model"] == cold.column("y_model").to_pylist()  # teacher-forced: the same drafts
+
 
 class LoggingPolicy(ScoreRule):
     """ScoreRule that records the φ it computed online at every step."""
@@ -307,8 +338,7 @@ def test_features_online_equal_offline(setup):
 
     flags = VocabFlags.from_tokenizer(AutoTokenizer.from_pretrained(s["tokenizer"]), model.cfg.vocab_size)
     policy = LoggingPolicy(suffix, layerskip, flags, tau=1.0)
-    engine = Engine(model, drafters=[suffix, layerskip], policy=policy, max_batch=1, max_len=512,
-                    num_draft_tokens=16)
+    engine = Engine(model, drafters=[suffix, layerskip], policy=policy, max_batch=1, max_len=512, num_draft_tokens=16)
     reqs = engine.generate(s["prompts"], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [r.output for r in reqs] == s["outputs"]  # lossless
     sources = {st.source for r in reqs for st in r.stats.steps}
@@ -339,10 +369,36 @@ def test_label_traces_job_with_ray(setup, tmp_path, monkeypatch):
 
     s = setup
     out = tmp_path / "labels"
-    args = label_traces.parse_args([
-        "--traces", str(s["traces"]), "--out", str(out), "--model", str(s["folder"]), "--tokenizer", s["tokenizer"],
-        "--skip", SKIP, "--depth", str(DEPTH), "--min-prob", str(MIN_PROB), "--max-draft", "16",
-        "--batch-slots", "4", "--chunk", "2", "--actors", "2", "--num-cpus", "0.5", "--threads", "1"])
+    args = label_traces.parse_args(
+        [
+            "--traces",
+            str(s["traces"]),
+            "--out",
+            str(out),
+            "--model",
+            str(s["folder"]),
+            "--tokenizer",
+            s["tokenizer"],
+            "--skip",
+            SKIP,
+            "--depth",
+            str(DEPTH),
+            "--min-prob",
+            str(MIN_PROB),
+            "--max-draft",
+            "16",
+            "--batch-slots",
+            "4",
+            "--chunk",
+            "2",
+            "--actors",
+            "2",
+            "--num-cpus",
+            "0.5",
+            "--threads",
+            "1",
+        ]
+    )
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         meta = label_traces.run(args)

@@ -15,16 +15,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; a module may import from its own layer or below
 LAYERS = {
-    "kernels": 0, "workloads": 0,
+    "kernels": 0,
+    "workloads": 0,
     "model": 1,  # model/transformer.py calls kernels' compact_kv on CUDA
     "drafters": 2,
     "verification": 3,
     "engine": 4,
     "selection": 5,
-    "traces": 6, "dimr": 6,
+    "traces": 6,
+    "dimr": 6,
     "training": 6,  # offline training of draft heads over the model (EAGLE-3: features, TTT loss)
     "build": 7,  # the one builder of an Engine with drafters / a policy / a slim tier (selection, dimr, traces)
-    "serving": 7, "cli": 7, "__main__": 7, "hvd_ray": 7,
+    "serving": 7,
+    "cli": 7,
+    "__main__": 7,
+    "hvd_ray": 7,
     "vllm": 7,  # HVD's cache side as a vLLM proposer (drafters + selection); nothing else imports it (test_vllm.py)
     "bench": 8,  # measurement: builds methods' engines (build) and serves the app (serving) to time them
     "kernels.check_gpu": 7,  # a script: it checks the kernels against the engine's functions
@@ -85,8 +90,10 @@ def test_no_import_reaches_up_a_layer():
         for line, dep in deps:
             dkey, hi = layer_of(dep)
             if hi > lo:
-                bad.append(f"{files[mod].relative_to(ROOT)}:{line}: {mod} ({key}, layer {lo}) imports {dep} "
-                           f"({dkey}, layer {hi})")
+                bad.append(
+                    f"{files[mod].relative_to(ROOT)}:{line}: {mod} ({key}, layer {lo}) imports {dep} "
+                    f"({dkey}, layer {hi})"
+                )
     assert not bad, "imports from a lower layer into a higher one:\n" + "\n".join(bad)
 
 
@@ -101,7 +108,7 @@ def test_no_import_cycles():
         for line, dep in edges[mod]:
             stack.append((mod, line))
             if state.get(dep) == 1:
-                loop = stack[[m for m, _ in stack].index(dep):]
+                loop = stack[[m for m, _ in stack].index(dep) :]
                 cycles.append(" -> ".join(f"{files[m].relative_to(ROOT)}:{ln} ({m})" for m, ln in loop) + f" -> {dep}")
             elif dep not in state:
                 visit(dep)

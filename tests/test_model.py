@@ -80,7 +80,10 @@ def test_a_run_of_slots_splits_where_one_key_span_would_waste_too_much():
 
     assert slot_runs([0, 1, 2], [100, 120, 90], [1, 1, 1]) == [(0, 3, 0, 121, 1)]
     assert slot_runs([0, 1, 2, 3], [150, 1000, 1010, 140], [1, 1, 1, 1]) == [
-        (0, 1, 0, 151, 1), (1, 3, 1, 1011, 1), (3, 4, 3, 141, 1)]
+        (0, 1, 0, 151, 1),
+        (1, 3, 1, 1011, 1),
+        (3, 4, 3, 141, 1),
+    ]
     assert slot_runs([0, 1, 3], [10, 10, 10], [2, 2, 2]) == [(0, 2, 0, 12, 2), (3, 4, 2, 12, 2)]
     assert slot_runs([0, 1], [10, 10], [1, 3]) == [(0, 1, 0, 11, 1), (1, 2, 1, 13, 3)]
     wide = SPAN_WASTE // 4 + 1  # 4 queries per row: 4 x that many wasted pairs is over the bound
@@ -118,7 +121,7 @@ def test_batched_forward_equals_per_sequence(tiny_folder, slots, waste, monkeypa
         for b, s in enumerate(seqs):
             ref = ours_logits(model, s + nxt[b], slot=4)
             assert out.row(b)[: len(nxt[b])].shape[0] == len(nxt[b])
-            assert (out.row(b)[: len(nxt[b])] - ref[len(s):]).abs().max() <= ATOL
+            assert (out.row(b)[: len(nxt[b])] - ref[len(s) :]).abs().max() <= ATOL
             assert model.cache.lengths[slots[b]] == len(s) + len(nxt[b])
             model.cache.truncate(4, len(s))  # slot 4 holds s + nxt[b]: score nxt[b] after s again, for its taps
             alone = model(torch.tensor([nxt[b]]), [4], taps=(1,)).taps[0][0]
@@ -211,7 +214,7 @@ def test_default_model_logits_match_transformers(default_folder):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_folder)
-    ids = tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
+    ids = tok('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')["input_ids"]
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     got = ours_logits(ours, ids)
@@ -272,9 +275,16 @@ def test_a_bf16_cache_attends_as_an_fp32_cache_does(tiny_llama, kernel, monkeypa
     nxt = [[11, 12, 13], [14], [15, 16]]
     steps = [  # (tokens, slots, keyword arguments)
         (prefill, [0, 2, 3], {"n_new": [len(s) for s in seqs]}),
-        (torch.tensor([n + [0] * (3 - len(n)) for n in nxt]), [0, 2, 3], {"n_new": list(map(len, nxt)), "packed_logits": True}),
-        (torch.tensor([[31, 32, 33, 34]] * 3), [0, 2, 3],  # a tree per row: 31 -> {32, 33 -> 34}
-         {"attn_mask": tree_attention_mask([-1, -1, 1]).expand(3, 4, 4), "depths": torch.tensor([[0, 1, 1, 2]] * 3)}),
+        (
+            torch.tensor([n + [0] * (3 - len(n)) for n in nxt]),
+            [0, 2, 3],
+            {"n_new": list(map(len, nxt)), "packed_logits": True},
+        ),
+        (
+            torch.tensor([[31, 32, 33, 34]] * 3),
+            [0, 2, 3],  # a tree per row: 31 -> {32, 33 -> 34}
+            {"attn_mask": tree_attention_mask([-1, -1, 1]).expand(3, 4, 4), "depths": torch.tensor([[0, 1, 1, 2]] * 3)},
+        ),
         (torch.tensor([[21], [22], [23]]), [0, 2, 3], {}),
         (torch.tensor([list(range(40, 46))]), [2], {}),
     ]
@@ -306,7 +316,7 @@ def test_fp32_packed_weights_match_blas_and_give_each_row_the_same_bits(tiny_lla
     lin = model.layers[0].mlp.w13
     x = torch.randn(3, 17, lin.in_features)
     full = linear(x, lin)
-    assert all(torch.equal(full[i, j], linear(x[i:i + 1, j:j + 1], lin)[0, 0]) for i in range(3) for j in range(17))
+    assert all(torch.equal(full[i, j], linear(x[i : i + 1, j : j + 1], lin)[0, 0]) for i in range(3) for j in range(17))
 
 
 def test_the_bf16_decode_kernel_is_timed_once_and_can_be_forced(monkeypatch):

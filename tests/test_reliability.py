@@ -32,9 +32,17 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "sk-hvd-reliability"
 MAX_BATCH = 4
-CONFIG = {"max_tokens": 16, "dtype": "float32", "max_model_len": 2048, "max_batch": MAX_BATCH, "torch_threads": 2,
-          "ray_actor_options": {"num_cpus": 0.5}, "ingress_ray_actor_options": {"num_cpus": 0.1},
-          "num_replicas": 1, "graceful_shutdown_timeout_s": 5}
+CONFIG = {
+    "max_tokens": 16,
+    "dtype": "float32",
+    "max_model_len": 2048,
+    "max_batch": MAX_BATCH,
+    "torch_threads": 2,
+    "ray_actor_options": {"num_cpus": 0.5},
+    "ingress_ray_actor_options": {"num_cpus": 0.1},
+    "num_replicas": 1,
+    "graceful_shutdown_timeout_s": 5,
+}
 GOOD = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0}
 
 
@@ -90,10 +98,20 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
     "prompt_token_ids_too_many": (COMP, {"prompt": [1] * 2049}, 400, "prompt", "context_length_exceeded"),
     "prompt_too_many_chars": (COMP, {"prompt": "a" * (32 * 2048 + 1)}, 400, "prompt", "context_length_exceeded"),
     "messages_too_many": (CHAT, {"messages": MSG * 1025}, 400, "messages", None),
-    "message_content_too_big": (CHAT, {"messages": [{"role": "user", "content": "é" * 70000}]}, 400, "messages",
-                                "context_length_exceeded"),
-    "message_content_part_not_text": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-                                      400, "messages", None),
+    "message_content_too_big": (
+        CHAT,
+        {"messages": [{"role": "user", "content": "é" * 70000}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    "message_content_part_not_text": (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages",
+        None,
+    ),
     "max_tokens_over_limit": (CHAT, {"messages": MSG, "max_tokens": 17}, 400, "max_tokens", None),
     "max_tokens_2**70": (CHAT, {"messages": MSG, "max_tokens": 2**70}, 400, "max_tokens", None),
     "n_2": (CHAT, {"messages": MSG, "n": 2}, 400, "n", None),
@@ -106,26 +124,51 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
     "max_tokens_wrong_type": (COMP, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),
     "unknown_model": (COMP, {"prompt": "x", "model": "gpt-4o"}, 404, "model", "model_not_found"),
     "max_tokens_negative": (COMP, {"prompt": "x", "max_tokens": -3}, 400, "max_tokens", None),
-    "prompt_longer_than_the_context": (COMP, {"prompt": "hello " * 2100, "max_tokens": 4}, 400, "prompt",
-                                       "context_length_exceeded"),
+    "prompt_longer_than_the_context": (
+        COMP,
+        {"prompt": "hello " * 2100, "max_tokens": 4},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
     "messages_empty": (CHAT, {"messages": []}, 400, "messages", None),
     # lone UTF-16 surrogates: valid JSON escapes, not text (UTF-8 cannot encode them)
     "prompt_lone_surrogate": (COMP, b'{"prompt": "\\ud800", "max_tokens": 2}', 400, "prompt", "invalid_text"),
-    "message_lone_surrogate": (CHAT, b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}', 400, "messages",
-                               "invalid_text"),
+    "message_lone_surrogate": (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}',
+        400,
+        "messages",
+        "invalid_text",
+    ),
     "model_lone_surrogate": (COMP, b'{"prompt": "x", "model": "\\ud800"}', 400, "model", "invalid_text"),
     "stop_lone_surrogate": (COMP, b'{"prompt": "x", "stop": ["a\\udc00"]}', 400, "stop", "invalid_text"),
     "surrogate_pair_is_text": (COMP, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}', 200, None, None),
     # nothing silently ignored: fields the server does not implement are named in a 400
-    "repetition_penalty_unsupported": (CHAT, {"messages": MSG, "repetition_penalty": 1.1}, 400, "repetition_penalty",
-                                       "unsupported_parameter"),
+    "repetition_penalty_unsupported": (
+        CHAT,
+        {"messages": MSG, "repetition_penalty": 1.1},
+        400,
+        "repetition_penalty",
+        "unsupported_parameter",
+    ),
     "min_p_unsupported": (COMP, {"prompt": "x", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
-    "chat_template_kwargs_tools": (CHAT, {"messages": MSG, "chat_template_kwargs": {"tools": []}}, 400,
-                                   "chat_template_kwargs", None),
+    "chat_template_kwargs_tools": (
+        CHAT,
+        {"messages": MSG, "chat_template_kwargs": {"tools": []}},
+        400,
+        "chat_template_kwargs",
+        None,
+    ),
     "tool_choice_without_tools": (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", None),
     "tool_message_without_id": (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
-    "stop_string_256_non_ascii": (COMP, {"prompt": "x", "stop": ["\u00e9\u6f22" * 128], "max_tokens": 2}, 200, None,
-                                  None),
+    "stop_string_256_non_ascii": (
+        COMP,
+        {"prompt": "x", "stop": ["\u00e9\u6f22" * 128], "max_tokens": 2},
+        200,
+        None,
+        None,
+    ),
 }
 
 
@@ -155,16 +198,21 @@ def test_a_30_mb_body_is_refused_before_parsing(base_url, http):
 
     big = b'{"messages": [{"role": "user", "content": "' + b"a" * (30 * 2**20) + b'"}]}'
     t0 = time.perf_counter()
-    r = httpx.post(f"{base_url}{CHAT}", content=big, headers={**http.headers, "Content-Type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        f"{base_url}{CHAT}", content=big, headers={**http.headers, "Content-Type": "application/json"}, timeout=60
+    )
     took = time.perf_counter() - t0
     assert r.status_code == 413, r.text
     assert _error_shaped(r)["code"] == "request_too_large"
     assert took < 1.0, f"413 after {took:.2f} s"
 
     # a generator body is sent chunked, without Content-Length: the limit holds while reading
-    r = httpx.post(f"{base_url}{CHAT}", content=(b"a" * 2**20 for _ in range(30)),
-                   headers={**http.headers, "Content-Type": "application/json"}, timeout=60)
+    r = httpx.post(
+        f"{base_url}{CHAT}",
+        content=(b"a" * 2**20 for _ in range(30)),
+        headers={**http.headers, "Content-Type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 413 and _error_shaped(r)["code"] == "request_too_large"
     _good(http)
 
@@ -201,8 +249,18 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
     before = wait_idle(http)
     waves, rss = [], []
     for seed in (1, 2):  # the first wave also warms the allocator (new batch shapes): a leak shows in the second
-        res = asyncio.run(run_load(base_url, concurrency=32, requests=24, max_tokens=16, disconnect_share=0.3,
-                                   api_key=API_KEY, seed=seed, prompts=real_prompts(max_chars=2000)))
+        res = asyncio.run(
+            run_load(
+                base_url,
+                concurrency=32,
+                requests=24,
+                max_tokens=16,
+                disconnect_share=0.3,
+                api_key=API_KEY,
+                seed=seed,
+                prompts=real_prompts(max_chars=2000),
+            )
+        )
         s = res.summary()
         print("load:", json.dumps(s))
         assert res.failed == 0, s["errors"]
@@ -244,8 +302,19 @@ def test_64_concurrent_requests_on_4_slots_are_served_or_shed_at_once(base_url, 
     cfg = ServingConfig.model_validate(CONFIG)
     _good(http)
     t0 = time.monotonic()
-    res = asyncio.run(run_load(base_url, concurrency=64, requests=64, max_tokens=16, disconnect_share=0.0,
-                               api_key=API_KEY, seed=3, prompts=real_prompts(max_chars=2000), timeout_s=300))
+    res = asyncio.run(
+        run_load(
+            base_url,
+            concurrency=64,
+            requests=64,
+            max_tokens=16,
+            disconnect_share=0.0,
+            api_key=API_KEY,
+            seed=3,
+            prompts=real_prompts(max_chars=2000),
+            timeout_s=300,
+        )
+    )
     wall = time.monotonic() - t0
     s = res.summary()
     print("64 at once on 4 slots:", json.dumps(s))
@@ -278,8 +347,13 @@ def test_health_answers_at_once_with_10_long_streams_in_flight(base_url, http):
     import httpx
 
     started, ended = threading.Semaphore(0), []
-    body = {"messages": [{"role": "user", "content": "Count from one to one hundred."}], "max_tokens": 16,
-            "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Count from one to one hundred."}],
+        "max_tokens": 16,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
 
     def stream() -> None:
         with httpx.stream("POST", f"{base_url}{CHAT}", json=body, headers=http.headers, timeout=300) as r:
@@ -325,8 +399,10 @@ def test_200_slow_body_clients_are_cut_at_the_body_deadline(base_url, http):
     _good(http)
     alone = time.perf_counter() - t0
     payload = json.dumps(GOOD).encode()
-    head = (f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode()
 
     async def slow_client() -> tuple[float, bytes]:
         loop = asyncio.get_running_loop()
@@ -376,8 +452,10 @@ def test_streams_nobody_reads_hold_no_slot_past_their_max_tokens(base_url, http)
 
     host, port = urlsplit(base_url).hostname, urlsplit(base_url).port
     payload = json.dumps({**GOOD, "max_tokens": 16, "ignore_eos": True, "stream": True}).encode()
-    head = (f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode()
     socks = []
     try:
         for _ in range(2 * MAX_BATCH):
@@ -405,16 +483,29 @@ def test_killing_the_model_replica_under_load(base_url, http):
     # the new replica loads the model and times its forwards before it serves: 110 s alone on an
     # AVX2-only 2-core box, over 300 s there while the other test worker runs, so requests queued
     # behind it may wait that long (a client timeout is not a hang, but is not a clean error either)
-    k = kill_replica_under_load(base_url, API_KEY, concurrency=8, requests=16, max_tokens=16, app="hvd-rel",
-                                prompts=real_prompts(max_chars=2000), timeout_s=600)
+    k = kill_replica_under_load(
+        base_url,
+        API_KEY,
+        concurrency=8,
+        requests=16,
+        max_tokens=16,
+        app="hvd-rel",
+        prompts=real_prompts(max_chars=2000),
+        timeout_s=600,
+    )
     print("under the kill:", json.dumps(k.load.summary()), f"recovered {k.recovery_s:.1f} s after the kill")
     assert not k.hung, "a request hung after the replica died"
     shed = k.load.rejected  # 503s with Retry-After: the replica died under them, or they waited too long
     assert k.load.ok + k.load.failed + shed == 16 and k.load.failed + shed > 0
-    assert all(e.startswith("HTTP 503") or e.startswith("ValueError: error event: the model replica failed")
-               for e in k.load.errors), k.load.errors
-    assert set(k.load.reject_codes) <= {"503 replica_unavailable", "503 first_token_timeout",
-                                        "503 server_overloaded"}, k.load.reject_codes
+    assert all(
+        e.startswith("HTTP 503") or e.startswith("ValueError: error event: the model replica failed")
+        for e in k.load.errors
+    ), k.load.errors
+    assert set(k.load.reject_codes) <= {
+        "503 replica_unavailable",
+        "503 first_token_timeout",
+        "503 server_overloaded",
+    }, k.load.reject_codes
     assert k.probes[-1] == 200 and set(k.probes[:-1]) <= {503}, k.probes
     assert http.get("/health").json()["status"] == "ok"
 
@@ -455,14 +546,31 @@ def test_a_stuck_engine_step_sheds_its_requests_and_serve_replaces_the_replica(b
     from hvd_ray.serving.ingress import OpenAIIngress
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = ServingConfig.model_validate({
-        "dtype": "float32", "drafter": "suffix", "suffix_actor": False, "max_batch": 2, "max_tokens": 16,
-        "max_model_len": 1024, "torch_threads": 1, "step_timeout_s": 5, "first_token_timeout_s": 3,
-        "request_timeout_s": 4, "graceful_shutdown_timeout_s": 2, "num_replicas": 1})
+    cfg = ServingConfig.model_validate(
+        {
+            "dtype": "float32",
+            "drafter": "suffix",
+            "suffix_actor": False,
+            "max_batch": 2,
+            "max_tokens": 16,
+            "max_model_len": 1024,
+            "torch_threads": 1,
+            "step_timeout_s": 5,
+            "first_token_timeout_s": 3,
+            "request_timeout_s": 4,
+            "graceful_shutdown_timeout_s": 2,
+            "num_replicas": 1,
+        }
+    )
     conf = cfg.model_dump()
     marker = tmp_path / "steps-left"
-    replica = serve.deployment(name="ModelReplica", health_check_period_s=1, max_ongoing_requests=4,
-                               graceful_shutdown_timeout_s=2, ray_actor_options={"num_cpus": 0.3})(_Hangs)
+    replica = serve.deployment(
+        name="ModelReplica",
+        health_check_period_s=1,
+        max_ongoing_requests=4,
+        graceful_shutdown_timeout_s=2,
+        ray_actor_options={"num_cpus": 0.3},
+    )(_Hangs)
     app = OpenAIIngress.options(ray_actor_options={"num_cpus": 0.1}).bind(replica.bind(conf, str(marker)), conf)
     serve.run(app, name="hvd-stuck", route_prefix="/stuck")
     url, headers = f"{base_url}/stuck", {"Authorization": f"Bearer {API_KEY}"}
@@ -485,8 +593,9 @@ def test_a_stuck_engine_step_sheds_its_requests_and_serve_replaces_the_replica(b
             def plain() -> None:
                 t = time.monotonic()
                 r = c.post(CHAT, json=long)
-                late.append((r.status_code, r.headers.get("retry-after"), r.json()["error"]["code"],
-                             time.monotonic() - t))
+                late.append(
+                    (r.status_code, r.headers.get("retry-after"), r.json()["error"]["code"], time.monotonic() - t)
+                )
 
             t0 = time.monotonic()
             streamer = threading.Thread(target=stream, daemon=True)
@@ -506,8 +615,10 @@ def test_a_stuck_engine_step_sheds_its_requests_and_serve_replaces_the_replica(b
                 assert time.monotonic() - t0 < 300, "no replica replaced the stuck one"
                 time.sleep(0.5)
             replaced = time.monotonic() - t0
-            print(f"stuck step: unhealthy after {unhealthy:.1f} s, replaced after {replaced:.1f} s; stream: "
-                  f"{lines}; requests that arrived meanwhile: {late}")
+            print(
+                f"stuck step: unhealthy after {unhealthy:.1f} s, replaced after {replaced:.1f} s; stream: "
+                f"{lines}; requests that arrived meanwhile: {late}"
+            )
             assert lines[0] == 200 and lines[-1] == "[DONE]", lines
             assert json.loads(lines[-2])["error"]["code"] == "request_timeout", lines
             assert [(st, ra, code) for st, ra, code, _ in late] == [(503, "5", "first_token_timeout")] * 2, late

@@ -30,8 +30,9 @@ def test_failing_assert_fails():
     assert not run_tests(CHECK.replace("a + b", "a - b") + "\ncheck(add)\n")
 
 
-@pytest.mark.parametrize("exit_line", ["import sys; sys.exit(0)", "import os; os._exit(0)", "raise SystemExit",
-                                       "raise SystemExit(0)"])
+@pytest.mark.parametrize(
+    "exit_line", ["import sys; sys.exit(0)", "import os; os._exit(0)", "raise SystemExit", "raise SystemExit(0)"]
+)
 def test_early_exit_before_the_tests_fails(exit_line):
     assert not run_tests(CHECK.replace("a + b", "a - b") + f"\n{exit_line}\ncheck(add)\n")
 
@@ -92,20 +93,32 @@ def _leaves_no_sleeper(program_for, passes: bool, timeout: float = 10.0) -> None
 
 
 def test_background_child_does_not_survive():
-    _leaves_no_sleeper(lambda arg: f'import subprocess\nsubprocess.Popen(["sleep", "{arg}"])\n' + CHECK
-                       + "\ncheck(add)\n", passes=True)
+    _leaves_no_sleeper(
+        lambda arg: f'import subprocess\nsubprocess.Popen(["sleep", "{arg}"])\n' + CHECK + "\ncheck(add)\n", passes=True
+    )
 
 
 def test_many_children_with_a_timeout_do_not_survive():
-    _leaves_no_sleeper(lambda arg: f'import subprocess, time\nfor _ in range(20):\n    subprocess.Popen(["sleep", '
-                       f'"{arg}"])\ntime.sleep(60)\n', passes=False, timeout=2)
+    _leaves_no_sleeper(
+        lambda arg: (
+            f'import subprocess, time\nfor _ in range(20):\n    subprocess.Popen(["sleep", "{arg}"])\ntime.sleep(60)\n'
+        ),
+        passes=False,
+        timeout=2,
+    )
 
 
 def test_child_in_its_own_session_dies_with_the_pid_namespace():
     if not sandbox_info()["pid_namespace"]:
         pytest.skip("no PID namespace here: a descendant that leaves the process group can outlive the run")
-    _leaves_no_sleeper(lambda arg: f'import subprocess\nsubprocess.Popen(["sleep", "{arg}"], start_new_session=True)\n'
-                       + CHECK + "\ncheck(add)\n", passes=True)
+    _leaves_no_sleeper(
+        lambda arg: (
+            f'import subprocess\nsubprocess.Popen(["sleep", "{arg}"], start_new_session=True)\n'
+            + CHECK
+            + "\ncheck(add)\n"
+        ),
+        passes=True,
+    )
 
 
 def test_no_network_when_isolated():
@@ -115,8 +128,10 @@ def test_no_network_when_isolated():
         srv.bind(("127.0.0.1", 0))
         srv.listen()
         port = srv.getsockname()[1]
-        program = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                   "    reached = True\nexcept OSError:\n    reached = False\nassert not reached\n")
+        program = (
+            f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            "    reached = True\nexcept OSError:\n    reached = False\nassert not reached\n"
+        )
         assert run_tests(program)
 
 
@@ -128,6 +143,7 @@ def test_sandbox_info_reports_the_limits():
     assert lim["RLIMIT_CORE"] == 0 and 0 < lim["RLIMIT_NOFILE"] <= 64 and 0 < lim["RLIMIT_NPROC"] <= 256
     assert ("network isolated" if info["network_isolated"] else "NETWORK NOT ISOLATED") in info["summary"]
     # the child really runs under them
-    program = ("import resource\n"
-               + "".join(f"assert resource.getrlimit(resource.{k}) == ({v}, {v}), '{k}'\n" for k, v in lim.items()))
+    program = "import resource\n" + "".join(
+        f"assert resource.getrlimit(resource.{k}) == ({v}, {v}), '{k}'\n" for k, v in lim.items()
+    )
     assert run_tests(program, timeout=7)

@@ -60,7 +60,7 @@ def test_token_flags():
     assert flag(" def", "code") and flag(" def", "space_start") and flag(" def", "word")
     assert flag("\n   ", "ws") and flag("\n   ", "newline") and not flag("\n   ", "word")
     assert flag('":', "quote") and flag('":', "json_delim") and flag('":', "punct")
-    assert flag(" {\"", "open_br") and flag("]}", "close_br") and not flag("]}", "open_br")
+    assert flag(' {"', "open_br") and flag("]}", "close_br") and not flag("]}", "open_br")
     assert flag("```", "code") and flag(" return", "code") and not flag(" returned", "code")
     assert flag("2024", "digit") and not flag("abc", "digit")
     assert flag("<|im_end|>", "special", special=True) and not flag("<|im_end|>", "special")
@@ -106,8 +106,9 @@ def test_features_vector_and_spec():
     assert named["acc_mean4"] == 1.5 and named["cache_acc_mean4"] == 2 and named["cache_rate16"] == 0.5
     assert named["last_space_start"] == 1 and named["last_word"] == 1
     assert named["draft_open_br"] == pytest.approx(1 / 3) and named["draft_json_delim"] == pytest.approx(1 / 3)
-    empty = features(Draft(source="suffix-request"), prompt_len=3, generated=1, max_tokens=0, last_token=0,
-                     history=[], flags=vf)
+    empty = features(
+        Draft(source="suffix-request"), prompt_len=3, generated=1, max_tokens=0, last_token=0, history=[], flags=vf
+    )
     assert empty[:6].tolist() == [0] * 6 and empty[8] == 0
     other = with_history(phi, [])
     assert not other[HISTORY_SLICE].any()
@@ -128,7 +129,9 @@ def fit_small_mlp(n_features: int, seed: int = 0):
     X = rng.normal(size=(400, n_features)) * rng.uniform(0.1, 30, n_features)
     X[:, 5] = 3.0  # a constant feature: the scaler's scale is 1 there
     y = np.maximum(0, X[:, 0] / 10 + X[:, 1] ** 2 / 100 + rng.normal(0, 0.1, 400))
-    pipe = make_pipeline(StandardScaler(), MLPRegressor(hidden_layer_sizes=(32, 16), max_iter=60, random_state=seed)).fit(X, y)
+    pipe = make_pipeline(
+        StandardScaler(), MLPRegressor(hidden_layer_sizes=(32, 16), max_iter=60, random_state=seed)
+    ).fit(X, y)
     return pipe, X
 
 
@@ -206,13 +209,16 @@ def test_offline_simulation_on_labels():
         choices = [d["sim_cache"][i] for i in range(lab.num_rows) if d["seq"][i] == k and d["step_start"][i]]
         assert [t for t, _, _ in path] == starts
         assert [c == CACHE for _, c, _ in path] == choices
-    res = {name: simulate(traces, p, model_depth=DEPTH) for name, p in
-           {"cache": AlwaysCache(), "model": AlwaysModel(), "oracle": OraclePolicy()}.items()}
+    res = {
+        name: simulate(traces, p, model_depth=DEPTH)
+        for name, p in {"cache": AlwaysCache(), "model": AlwaysModel(), "oracle": OraclePolicy()}.items()
+    }
     for r in res.values():
         assert r["tokens"] == sum(tl.n for tl in traces) and r["traces"] == len(traces)
         assert r["forwards_per_1k_tokens"] == pytest.approx(1000 * (r["steps"] + r["traces"]) / r["tokens"])
-    assert res["oracle"]["mean_accepted_per_forward"] >= max(res["cache"]["mean_accepted_per_forward"],
-                                                             res["model"]["mean_accepted_per_forward"])
+    assert res["oracle"]["mean_accepted_per_forward"] >= max(
+        res["cache"]["mean_accepted_per_forward"], res["model"]["mean_accepted_per_forward"]
+    )
     assert res["cache"]["cache_share"] == 1 and res["model"]["model_share"] == 1
     assert simulate(traces, AlwaysModel(), model_depth=0)["mean_accepted_per_forward"] == 1.0  # no drafter
 
@@ -226,8 +232,10 @@ def test_offline_simulation_on_labels():
         assert all(acc == max(tl.y_cache[t], tl.y_model[t]) for t, _, acc in path)
         from hvd_ray.selection.policy import LAYERSKIP_TOKEN_COST
 
-        want = sum(verify_cost(1 + tl.cache_len[t] + tl.model_len[t]) + tl.model_len[t] * LAYERSKIP_TOKEN_COST
-                   for t, *_ in path)
+        want = sum(
+            verify_cost(1 + tl.cache_len[t] + tl.model_len[t]) + tl.model_len[t] * LAYERSKIP_TOKEN_COST
+            for t, *_ in path
+        )
         assert one.union_steps == one.steps and one.cost == pytest.approx(want)
     assert simulate(traces, AlwaysUnion(), model_depth=DEPTH)["union_share"] == 1
 
@@ -247,8 +255,20 @@ def test_train_predictor_job(tmp_path):
     import train_predictor
 
     out = tmp_path / "pred"
-    args = train_predictor.parse_args(["--labels", str(write_labels(tmp_path)), "--out", str(out),
-                                       "--grid", "paper", "--max-iter", "30", "--importance-rows", "200"])
+    args = train_predictor.parse_args(
+        [
+            "--labels",
+            str(write_labels(tmp_path)),
+            "--out",
+            str(out),
+            "--grid",
+            "paper",
+            "--max-iter",
+            "30",
+            "--importance-rows",
+            "200",
+        ]
+    )
     import warnings
 
     with warnings.catch_warnings():
@@ -295,10 +315,12 @@ def test_policies_drive_the_engine_losslessly(which):
     w = np.zeros((len(SPEC), 1))
     w[0, 0] = 1.0
     pred = YieldPredictor([w], [np.zeros(1)], np.zeros(len(SPEC)), np.ones(len(SPEC)))
-    policy = (TauPolicy(pred, suffix, layerskip, flags, tau=1.0) if which == "tau"
-              else CostPolicy(pred, suffix, layerskip, flags, model_accept=1.0, model_token_cost=0.05))
-    engine = Engine(model, drafters=[suffix, layerskip], policy=policy, max_batch=2, max_len=512,
-                    num_draft_tokens=16)
+    policy = (
+        TauPolicy(pred, suffix, layerskip, flags, tau=1.0)
+        if which == "tau"
+        else CostPolicy(pred, suffix, layerskip, flags, model_accept=1.0, model_token_cost=0.05)
+    )
+    engine = Engine(model, drafters=[suffix, layerskip], policy=policy, max_batch=2, max_len=512, num_draft_tokens=16)
     reqs = engine.generate(s["prompts"], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [r.output for r in reqs] == s["outputs"]
     sources = {st.source for r in reqs for st in r.stats.steps}
@@ -492,11 +514,21 @@ def test_hvd_cost_prior_reads_the_heads_training_report(tmp_path, report):
         heldout["all_positions"] = {"mean_accepted_tokens_per_forward": 3.1}
     if report != "none":
         (tmp_path / "training.json").write_text(json.dumps({"heldout": heldout}))
-    drafters, pol = build_hvd(model, AutoTokenizer.from_pretrained(s["tokenizer"]), policy="cost",
-                              model_drafter="eagle3", eagle3_head=str(tmp_path), slots=1, max_len=256)
+    drafters, pol = build_hvd(
+        model,
+        AutoTokenizer.from_pretrained(s["tokenizer"]),
+        policy="cost",
+        model_drafter="eagle3",
+        eagle3_head=str(tmp_path),
+        slots=1,
+        max_len=256,
+    )
     assert isinstance(pol, CostPolicy) and pol.model is drafters[1]
-    expected = {"all_positions": 2.1, "response_only": 0.8,
-                "none": float(pol.predictor.meta.get("model_mean_accept", 1.0))}[report]
+    expected = {
+        "all_positions": 2.1,
+        "response_only": 0.8,
+        "none": float(pol.predictor.meta.get("model_mean_accept", 1.0)),
+    }[report]
     assert pol.prior_accept == pytest.approx(expected)
 
 
@@ -571,38 +603,70 @@ def test_cost_policy_verifies_both_drafts_where_the_cache_draft_is_doubtful():
     assert union_yield([1.0, 1.0], [0.3, 0.1]) == pytest.approx(2.0)  # a sure path leaves nothing to add
     costs = {1: 1.0, 2: 1.01, 4: 1.03, 8: 1.15, 16: 1.4, 32: 1.8, 64: 2.7}
     doubtful = StepView(np.zeros(len(SPEC), np.float32), cache_len=4, model_len=4, cache_probs=[0.5, 0.3, 0.2, 0.1])
-    pol = CostPolicy(constant_predictor(0.6), model=_Eagle(), cost_table=costs, model_accept=1.5,
-                     model_token_cost=0.05, adapt=0.0, union=True)
+    pol = CostPolicy(
+        constant_predictor(0.6),
+        model=_Eagle(),
+        cost_table=costs,
+        model_accept=1.5,
+        model_token_cost=0.05,
+        adapt=0.0,
+        union=True,
+    )
     choice, _ = pol.decide(doubtful)
     assert choice == UNION and 1 <= doubtful.take_union <= 4
     r = pol.rates(doubtful, 0.6)
     assert r[UNION] > max(r[CACHE], r[MODEL], r[NONE])
-    plain = CostPolicy(constant_predictor(0.6), model=_Eagle(), cost_table=costs, model_accept=1.5,
-                       model_token_cost=0.05, adapt=0.0)
+    plain = CostPolicy(
+        constant_predictor(0.6), model=_Eagle(), cost_table=costs, model_accept=1.5, model_token_cost=0.05, adapt=0.0
+    )
     assert UNION not in plain.rates(doubtful, 0.6) and plain.decide(doubtful)[0] == MODEL
     sure = StepView(np.zeros(len(SPEC), np.float32), cache_len=4, model_len=4, cache_probs=[1.0, 1.0, 1.0, 1.0])
-    confident = CostPolicy(constant_predictor(4.0), model=_Eagle(), cost_table=costs, model_accept=1.5,
-                           model_token_cost=0.05, adapt=0.0, union=True)
+    confident = CostPolicy(
+        constant_predictor(4.0),
+        model=_Eagle(),
+        cost_table=costs,
+        model_accept=1.5,
+        model_token_cost=0.05,
+        adapt=0.0,
+        union=True,
+    )
     assert confident.decide(sure)[0] == CACHE  # the model draft would only cost
-    loaded = StepView(np.zeros(len(SPEC), np.float32), cache_len=4, model_len=4, cache_probs=[0.5, 0.3, 0.2, 0.1], batch=4)
+    loaded = StepView(
+        np.zeros(len(SPEC), np.float32), cache_len=4, model_len=4, cache_probs=[0.5, 0.3, 0.2, 0.1], batch=4
+    )
     assert UNION not in pol.rates(loaded, 0.6)
     # after a long context each verified token costs more (engine/costs.py): a 16-token cache draft
     # worth 2 tokens pays after 64 tokens and loses to the model's 5 after 4,000, and the union
     # takes fewer of the cache's tokens there
     from hvd_ray.engine.costs import StepCosts
 
-    timed = StepCosts(costs, forward_s=0.01, long_table={1: 1.0, 2: 1.1, 4: 1.25, 8: 1.5, 16: 1.9, 32: 2.6, 64: 3.6},
-                      long_forward_s=0.02, prefix=64, long_prefix=2048)
+    timed = StepCosts(
+        costs,
+        forward_s=0.01,
+        long_table={1: 1.0, 2: 1.1, 4: 1.25, 8: 1.5, 16: 1.9, 32: 2.6, 64: 3.6},
+        long_forward_s=0.02,
+        prefix=64,
+        long_prefix=2048,
+    )
 
     def at(context: int) -> StepView:
-        return StepView(np.zeros(len(SPEC), np.float32), cache_len=16, model_len=4, cache_probs=[0.6] * 16,
-                        context=context)
+        return StepView(
+            np.zeros(len(SPEC), np.float32), cache_len=16, model_len=4, cache_probs=[0.6] * 16, context=context
+        )
 
-    by_context = CostPolicy(constant_predictor(2.0), model=_Eagle(), cost_table=timed, model_accept=1.5,
-                            model_token_cost=0.05, adapt=0.0)
+    by_context = CostPolicy(
+        constant_predictor(2.0), model=_Eagle(), cost_table=timed, model_accept=1.5, model_token_cost=0.05, adapt=0.0
+    )
     assert by_context.decide(at(64))[0] == CACHE and by_context.decide(at(4000))[0] == MODEL
-    both = CostPolicy(constant_predictor(0.6), model=_Eagle(), cost_table=timed, model_accept=1.5,
-                      model_token_cost=0.05, adapt=0.0, union=True)
+    both = CostPolicy(
+        constant_predictor(0.6),
+        model=_Eagle(),
+        cost_table=timed,
+        model_accept=1.5,
+        model_token_cost=0.05,
+        adapt=0.0,
+        union=True,
+    )
     short, long = at(64), at(4000)
     assert both.decide(short)[0] == both.decide(long)[0] == UNION and long.take_union < short.take_union
     # the model side learns from a union step what its own draft got, not what the union got

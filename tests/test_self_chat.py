@@ -32,8 +32,10 @@ def test_the_prefix_stops_where_a_user_message_starts(default_folder):
 
 
 def test_unusable_samples_are_dropped():
-    assert clean_query("  How do I sort a list of tuples by the second item?  ") == \
-        "How do I sort a list of tuples by the second item?"
+    assert (
+        clean_query("  How do I sort a list of tuples by the second item?  ")
+        == "How do I sort a list of tuples by the second item?"
+    )
     assert clean_query("Hi there") is None  # too short
     assert clean_query("What is 2+2?<|im_end|> <|im_start|>assistant") is None  # ran past its turn
     assert clean_query(" ".join(["word"] * 200)) is None  # too long
@@ -60,8 +62,24 @@ def test_generation_writes_usable_prompts_and_resumes(tmp_path):
 
 def test_openers_steer_each_sample_in_turn(tmp_path):
     out = tmp_path / "steered.jsonl"
-    assert _job().main(["--out", str(out), "--count", "4", "--batch-size", "8", "--max-tokens", "64",
-                        "--openers", "Imagine you are", "Solve"]) == 0
+    assert (
+        _job().main(
+            [
+                "--out",
+                str(out),
+                "--count",
+                "4",
+                "--batch-size",
+                "8",
+                "--max-tokens",
+                "64",
+                "--openers",
+                "Imagine you are",
+                "Solve",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4
     for r in rows:

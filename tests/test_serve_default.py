@@ -28,8 +28,14 @@ def server(default_folder, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "HVD_RAY_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
     with open(log, "w") as out:  # `make run` is this command with --port 8000
-        proc = subprocess.Popen([sys.executable, "-m", "hvd_ray.serving", "--host", "127.0.0.1", "--port", str(port)],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hvd_ray.serving", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 300
     while "hvd-ray is serving" not in log.read_text():
         assert proc.poll() is None, log.read_text()[-3000:]
@@ -52,8 +58,11 @@ def test_the_default_answers_the_openai_client(server):
     msgs = [{"role": "user", "content": "Write a Python function that returns the square of x."}]
     ch = oai.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0)
     assert ch.choices[0].finish_reason in ("length", "stop") and ch.choices[0].message.content
-    parts = [c.choices[0].delta.content or "" for c in oai.chat.completions.create(
-        model="default", messages=msgs, max_tokens=24, temperature=0, stream=True) if c.choices]
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in oai.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0, stream=True)
+        if c.choices
+    ]
     assert "".join(parts) == ch.choices[0].message.content  # streamed = not streamed (greedy)
     c = oai.completions.create(model="default", prompt="def add(a, b):", max_tokens=8, temperature=0.7, seed=3)
     assert c.usage.completion_tokens >= 1
@@ -66,16 +75,26 @@ def test_the_default_answers_the_openai_client(server):
 def test_sigterm_drains_requests_in_flight(server):
     import httpx
 
-    body = {"messages": [{"role": "user", "content": "Count from one to thirty in words."}], "max_tokens": 64,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Count from one to thirty in words."}],
+        "max_tokens": 64,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     started = threading.Barrier(3)
     results: dict[int, dict] = {}
 
     def stream(i: int) -> None:
         events, waited = [], False
         try:
-            with httpx.stream("POST", f"{server['url']}/v1/chat/completions", json=body, timeout=300,
-                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+            with httpx.stream(
+                "POST",
+                f"{server['url']}/v1/chat/completions",
+                json=body,
+                timeout=300,
+                headers={"Authorization": f"Bearer {KEY}"},
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])

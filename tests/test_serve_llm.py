@@ -21,14 +21,42 @@ SERVE_LLM_PYTHON = os.environ.get("HVD_SERVE_LLM_PYTHON", str(Path.home() / ".ca
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "serve_llm_hvd.yaml"
 TOOLS = [  # (tests/test_vllm_serve.py's agent: with tool_choice="required" the default model calls them)
-    {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string",
-                    "enum": ["c", "f"]}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "search_flights", "description": "Search flights on a date",
-     "parameters": {"type": "object", "properties": {"origin": {"type": "string"}, "destination": {"type": "string"},
-                    "date": {"type": "string"}}, "required": ["origin", "destination", "date"]}}}]
-TRIP = [{"role": "system", "content": "You are a travel assistant. Use the tools."},
-        {"role": "user", "content": "Find me a flight from Boston to Paris on 2026-12-24, and tell me the weather in Paris."}]
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_flights",
+            "description": "Search flights on a date",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "origin": {"type": "string"},
+                    "destination": {"type": "string"},
+                    "date": {"type": "string"},
+                },
+                "required": ["origin", "destination", "date"],
+            },
+        },
+    },
+]
+TRIP = [
+    {"role": "system", "content": "You are a travel assistant. Use the tools."},
+    {
+        "role": "user",
+        "content": "Find me a flight from Boston to Paris on 2026-12-24, and tell me the weather in Paris.",
+    },
+]
 
 
 def session_pids(sid: int) -> list[int]:
@@ -123,34 +151,66 @@ def test_serve_run_of_the_ray_serve_llm_config_answers_the_openai_client(tmp_pat
     (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nhvd = hvd_ray.vllm.plugin:register\n")
     child_env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
     child_env["PYTHONPATH"] = os.pathsep.join([str(dist.parent), str(ROOT)])
-    child_env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_metrics_report_interval_ms="2000",
-                     RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")  # SIGTERM stops the head at once
+    child_env.update(
+        HF_HUB_OFFLINE="1",
+        RAY_AUTH_MODE="disabled",
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_metrics_report_interval_ms="2000",
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+    )  # SIGTERM stops the head at once
     temp = tempfile.mkdtemp(prefix="hsl", dir="/tmp")  # short: Ray's socket paths live under it
-    ports = {name: free_port() for name in ("port", "node-manager-port", "object-manager-port",
-                                            "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port",
-                                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
-                                            "metrics-export-port")}
-    head_cmd = [str(bin_dir / "ray"), "start", "--head", "--block", f"--temp-dir={temp}", "--num-cpus=2",
-                "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=200000000"]
+    ports = {
+        name: free_port()
+        for name in (
+            "port",
+            "node-manager-port",
+            "object-manager-port",
+            "ray-client-server-port",
+            "dashboard-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+        )
+    }
+    head_cmd = [
+        str(bin_dir / "ray"),
+        "start",
+        "--head",
+        "--block",
+        f"--temp-dir={temp}",
+        "--num-cpus=2",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--object-store-memory=200000000",
+    ]
     head_cmd += [f"--{k}={v}" for k, v in ports.items()]
     head_log, serve_log = tmp_path / "ray-head.log", tmp_path / "serve-run.log"
     serve = None
     with open(head_log, "w") as f:
-        head = subprocess.Popen(head_cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, cwd=tmp_path,
-                                start_new_session=True)
+        head = subprocess.Popen(
+            head_cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, cwd=tmp_path, start_new_session=True
+        )
     try:
-        address = wait_for("Ray head", lambda: re.search(r"ray start --address='([^']+)'", head_log.read_text()),
-                           head, head_log, 120).group(1)
+        address = wait_for(
+            "Ray head", lambda: re.search(r"ray start --address='([^']+)'", head_log.read_text()), head, head_log, 120
+        ).group(1)
         with open(serve_log, "w") as f:
-            serve = subprocess.Popen([str(bin_dir / "serve"), "run", str(tmp_path / "serve.yaml"), "--address", address],
-                                     stdout=f, stderr=subprocess.STDOUT, env=child_env, cwd=tmp_path,
-                                     start_new_session=True)
+            serve = subprocess.Popen(
+                [str(bin_dir / "serve"), "run", str(tmp_path / "serve.yaml"), "--address", address],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                cwd=tmp_path,
+                start_new_session=True,
+            )
 
         # meanwhile: hvd-ray's own engine, fp32 greedy, on the chat template's prompt
         tok = AutoTokenizer.from_pretrained(default_folder)
         msgs = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
-        ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                  add_special_tokens=False)["input_ids"]
+        ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"
+        ]
         model, _ = load(str(default_folder), "float32")
         out = Engine(model, max_batch=1, max_len=1024).generate([ids], SamplingParams(max_tokens=32))[0].output
         want = tok.decode(out, skip_special_tokens=True)
@@ -162,21 +222,27 @@ def test_serve_run_of_the_ray_serve_llm_config_answers_the_openai_client(tmp_pat
         for _ in range(2):  # the second answer verifies suffix-cache drafts of the first
             ch = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=32, temperature=0).choices[0]
             assert ch.message.content == want, (ch.message.content, want)
-        ch = client.chat.completions.create(model=model_id, messages=TRIP, tools=TOOLS, tool_choice="required",
-                                            max_tokens=96, temperature=0).choices[0]
+        ch = client.chat.completions.create(
+            model=model_id, messages=TRIP, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0
+        ).choices[0]
         assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
         assert {c.function.name for c in ch.message.tool_calls} <= {"get_weather", "search_flights"}, ch
 
         def accepted() -> float:
             text = http_get(f"http://127.0.0.1:{ports['metrics-export-port']}/metrics") or ""
-            return sum(float(v) for v in re.findall(
-                r"^ray_vllm_spec_decode_num_accepted_tokens(?:_total)?\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE))
+            return sum(
+                float(v)
+                for v in re.findall(
+                    r"^ray_vllm_spec_decode_num_accepted_tokens(?:_total)?\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE
+                )
+            )
 
         n = wait_for("accepted drafts in Ray's metrics", accepted, head, head_log, 90)
         print(f"vLLM accepted {n:.0f} draft tokens")
         logs = [serve_log, *Path(temp).glob("session_*/logs/worker-*")]
-        assert any("hvd-ray plug-in: method hvd" in p.read_text(errors="replace") for p in logs), \
-            serve_log.read_text()[-4000:]
+        assert any("hvd-ray plug-in: method hvd" in p.read_text(errors="replace") for p in logs), serve_log.read_text()[
+            -4000:
+        ]
     finally:
         t = time.monotonic()
         left = end_session(serve, signal.SIGINT, 90) if serve else []  # serve run's Ctrl-C: serve.shutdown()

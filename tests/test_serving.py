@@ -26,9 +26,17 @@ slow = pytest.mark.slow  # the integration tests (real Ray + Serve + model); the
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "sk-hvd-test"
-CONFIG = {"model": "default", "dtype": "float32", "drafter": "suffix", "max_batch": 4, "max_model_len": 1024,
-          "max_tokens": 512, "torch_threads": 2,
-          "ray_actor_options": {"num_cpus": 0.5}, "ingress_ray_actor_options": {"num_cpus": 0.1}}
+CONFIG = {
+    "model": "default",
+    "dtype": "float32",
+    "drafter": "suffix",
+    "max_batch": 4,
+    "max_model_len": 1024,
+    "max_tokens": 512,
+    "torch_threads": 2,
+    "ray_actor_options": {"num_cpus": 0.5},
+    "ingress_ray_actor_options": {"num_cpus": 0.1},
+}
 PROMPT = "The capital of France is"
 CHAT = "Name three colours."
 N = 16
@@ -62,8 +70,10 @@ def _complete(http, **body) -> dict:
 
 
 def _chat(http, content: str, **body) -> dict:
-    r = http.post("/v1/chat/completions", json={"model": "default", "temperature": 0,
-                                                 "messages": [{"role": "user", "content": content}], **body})
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "default", "temperature": 0, "messages": [{"role": "user", "content": content}], **body},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -78,16 +88,33 @@ def _sse(http, path: str, body: dict) -> list:
             if not line:
                 continue
             assert line.startswith("data: "), line
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
 
 def _cli(*args: str) -> str:
     """The CLI's greedy text (plain decoding, fp32): what the server must reproduce."""
-    out = subprocess.run([sys.executable, "-m", "hvd_ray", "generate", "--dtype", "float32", "--threads", "2",
-                          "--drafter", "none", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hvd_ray",
+            "generate",
+            "--dtype",
+            "float32",
+            "--threads",
+            "2",
+            "--drafter",
+            "none",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n")
     return out.stdout[:-1]
@@ -96,8 +123,7 @@ def _cli(*args: str) -> str:
 @pytest.fixture(scope="module")
 def greedy(http):
     """Non-streamed greedy results, shared by several tests."""
-    return {"completion": _complete(http, prompt=PROMPT, max_tokens=N),
-            "chat": _chat(http, CHAT, max_tokens=N)}
+    return {"completion": _complete(http, prompt=PROMPT, max_tokens=N), "chat": _chat(http, CHAT, max_tokens=N)}
 
 
 # ------------------------------------------------------------------------------------------ basics
@@ -114,8 +140,9 @@ def test_health_models_and_auth(base_url, http):
     assert models["object"] == "list" and models["data"][0]["id"] == "default"
     assert models["data"][0]["max_model_len"] == 1024
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers,
-                       timeout=60)
+        r = httpx.post(
+            f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers, timeout=60
+        )
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -150,8 +177,11 @@ def test_greedy_chat_equals_cli(greedy):
 
 @slow
 def test_streamed_equals_non_streamed(http, greedy):
-    ev = _sse(http, "/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
-                                         "stream": True})
+    ev = _sse(
+        http,
+        "/v1/completions",
+        {"model": "default", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "stream": True},
+    )
     assert ev[-1] == "[DONE]" and len(ev) > 3
     chunks = ev[:-1]
     assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
@@ -159,15 +189,25 @@ def test_streamed_equals_non_streamed(http, greedy):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert len({c["id"] for c in chunks}) == 1
 
-    ev = _sse(http, "/v1/chat/completions", {
-        "model": "default", "messages": [{"role": "user", "content": CHAT}], "max_tokens": N, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True}})
+    ev = _sse(
+        http,
+        "/v1/chat/completions",
+        {
+            "model": "default",
+            "messages": [{"role": "user", "content": CHAT}],
+            "max_tokens": N,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert ev[-1] == "[DONE]"
     usage, chunks = ev[-2], ev[:-2]
     assert usage["choices"] == []
     want = greedy["chat"]["usage"]
-    assert {k: usage["usage"][k] for k in want if k != "prompt_tokens_details"} == \
-        {k: v for k, v in want.items() if k != "prompt_tokens_details"}
+    assert {k: usage["usage"][k] for k in want if k != "prompt_tokens_details"} == {
+        k: v for k, v in want.items() if k != "prompt_tokens_details"
+    }
     # the same prompt again: its K/V may still be in a slot (prefix reuse), never the last token's
     assert 0 <= usage["usage"]["prompt_tokens_details"]["cached_tokens"] < want["prompt_tokens"]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -184,12 +224,18 @@ def test_openai_client(oai, greedy):
     c = oai.completions.create(model="default", prompt=PROMPT, max_tokens=N, temperature=0)
     assert c.choices[0].text == greedy["completion"]["choices"][0]["text"]
     assert c.usage.completion_tokens == N
-    ch = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": CHAT}],
-                                     max_tokens=N, temperature=0)
+    ch = oai.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": CHAT}], max_tokens=N, temperature=0
+    )
     assert ch.choices[0].message.content == greedy["chat"]["choices"][0]["message"]["content"]
-    stream = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": CHAT}],
-                                         max_tokens=N, temperature=0, stream=True,
-                                         stream_options={"include_usage": True})
+    stream = oai.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": CHAT}],
+        max_tokens=N,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, usage = [], None
     for chunk in stream:
         if chunk.choices:
@@ -208,12 +254,24 @@ def test_openai_client(oai, greedy):
         bad.models.list()
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "The local time of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The local time of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+]
 
 
 def _streamed_call(oai, **kw) -> tuple[str, list[dict], str]:
@@ -240,8 +298,14 @@ def test_an_agent_loop_with_tools_over_the_openai_client(oai):
     named = {"type": "function", "function": {"name": "get_weather"}}
     for city in ("Paris", "Tokyo", "Lima"):
         msgs = [{"role": "user", "content": f"What is the weather in {city} right now?"}]
-        kw = {"model": "default", "messages": msgs, "tools": TOOLS, "tool_choice": named, "temperature": 0,
-              "max_tokens": 48}
+        kw = {
+            "model": "default",
+            "messages": msgs,
+            "tools": TOOLS,
+            "tool_choice": named,
+            "temperature": 0,
+            "max_tokens": 48,
+        }
         r = oai.chat.completions.create(**kw)
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch.message.content
@@ -250,17 +314,30 @@ def test_an_agent_loop_with_tools_over_the_openai_client(oai):
         content, calls, finish = _streamed_call(oai, **kw)
         assert finish == "tool_calls" and (content or None) == ch.message.content
         assert calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls]
-        msgs += [ch.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": city, "celsius": 21})}]
-        final = oai.chat.completions.create(model="default", messages=msgs, tools=TOOLS, temperature=0,
-                                            max_tokens=32)
+        msgs += [
+            ch.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": city, "celsius": 21})},
+        ]
+        final = oai.chat.completions.create(model="default", messages=msgs, tools=TOOLS, temperature=0, max_tokens=32)
         assert final.choices[0].finish_reason in ("stop", "length", "tool_calls"), final
         assert final.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result reached the prompt
-    none = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi!"}], tools=TOOLS,
-                                       tool_choice="none", temperature=0, max_tokens=8)
+    none = oai.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Hi!"}],
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=8,
+    )
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
-    joke = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "Tell me a joke."}],
-                                       tools=TOOLS, tool_choice="required", temperature=0, max_tokens=24)
+    joke = oai.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Tell me a joke."}],
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=24,
+    )
     assert joke.choices[0].message.tool_calls or joke.choices[0].message.content  # content when it does not parse
 
 
@@ -273,8 +350,18 @@ def test_stop_strings(http, greedy):
     assert res["choices"][0]["text"] == want and res["choices"][0]["finish_reason"] == "stop"
     assert res["usage"]["completion_tokens"] < N
     # streamed: the held-back "\n" of a possible stop string must never leak into a chunk
-    ev = _sse(http, "/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
-                                         "stop": ["zzz", "\n\n"], "stream": True})
+    ev = _sse(
+        http,
+        "/v1/completions",
+        {
+            "model": "default",
+            "prompt": PROMPT,
+            "max_tokens": N,
+            "temperature": 0,
+            "stop": ["zzz", "\n\n"],
+            "stream": True,
+        },
+    )
     assert "".join(c["choices"][0]["text"] for c in ev[:-1]) == want
     assert ev[-2]["choices"][0]["finish_reason"] == "stop"
 
@@ -305,8 +392,14 @@ def test_metrics_are_exported(http):
     import ray
 
     port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
-    want = ["ray_hvd_requests_total", "ray_hvd_generated_tokens_total", "ray_hvd_time_to_first_token_seconds",
-            "ray_hvd_mean_accepted_tokens_per_forward", "ray_hvd_queue_length", "ray_hvd_cache_chosen_rate"]
+    want = [
+        "ray_hvd_requests_total",
+        "ray_hvd_generated_tokens_total",
+        "ray_hvd_time_to_first_token_seconds",
+        "ray_hvd_mean_accepted_tokens_per_forward",
+        "ray_hvd_queue_length",
+        "ray_hvd_cache_chosen_rate",
+    ]
     deadline = time.monotonic() + 60
     while True:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
@@ -323,27 +416,41 @@ def test_metrics_are_exported(http):
 
 # ------------------------------------------------------------------------------------------ errors
 @slow
-@pytest.mark.parametrize("path,body,status,param,code", [
-    ("/v1/completions", b"{not json", 400, None, "invalid_json"),
-    ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),
-    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
-    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
-    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", None),
-    ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model", "model_not_found"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens", None),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", None),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
-    ("/v1/completions", {"prompt": "hello " * 1100, "max_tokens": 4}, 400, "prompt", "context_length_exceeded"),
-    ("/v1/completions", {"prompt": "hello " * 600, "max_tokens": 500}, 400, "max_tokens", "context_length_exceeded"),
-    ("/v1/completions", {"prompt": ""}, 400, "prompt", None),
-    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
-    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
-                              "max_tokens": 0}, 400, "max_tokens", None),
-])
+@pytest.mark.parametrize(
+    "path,body,status,param,code",
+    [
+        ("/v1/completions", b"{not json", 400, None, "invalid_json"),
+        ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
+        ("/v1/completions", {"max_tokens": 4}, 400, "prompt", None),
+        ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model", "model_not_found"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens", None),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", None),
+        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+        ("/v1/completions", {"prompt": "hello " * 1100, "max_tokens": 4}, 400, "prompt", "context_length_exceeded"),
+        (
+            "/v1/completions",
+            {"prompt": "hello " * 600, "max_tokens": 500},
+            400,
+            "max_tokens",
+            "context_length_exceeded",
+        ),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt", None),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 0},
+            400,
+            "max_tokens",
+            None,
+        ),
+    ],
+)
 def test_errors_are_openai_shaped(http, path, body, status, param, code):
     if isinstance(body, bytes):
         r = http.post(path, content=body, headers={"Content-Type": "application/json"})
@@ -368,8 +475,14 @@ def test_unknown_route_is_openai_shaped(http):
 # A request that cannot finish before its client hangs up. Sampled, not greedy: a greedy count
 # repeats itself, so once the suffix tree holds it, 500 tokens took 0.85 s here (CI ran one to
 # its end inside a 3 s client timeout); sampled at temperature 1 the cache drafts little.
-LONG = {"model": "default", "prompt": "Count: one, two,", "max_tokens": 500, "temperature": 1.0, "seed": 7,
-        "ignore_eos": True}
+LONG = {
+    "model": "default",
+    "prompt": "Count: one, two,",
+    "max_tokens": 500,
+    "temperature": 1.0,
+    "seed": 7,
+    "ignore_eos": True,
+}
 
 
 def _wait_idle(http, timeout: float = 60.0) -> dict:
@@ -391,8 +504,10 @@ def test_a_second_turn_reuses_the_first_turns_kv(http):
     before = http.get("/stats").json()
     # a prompt longer than the engine's MIN_REUSE (32 tokens): re-tokenised with the answer's text, the
     # answer's tokens may come out differently, but the prompt's stay
-    ask = ("Office supplies: paper clips, staples, pens, pencils, erasers, rulers, scissors, tape, glue sticks, "
-           "sticky notes, folders and binders. List three uses of a paper clip:")
+    ask = (
+        "Office supplies: paper clips, staples, pens, pencils, erasers, rulers, scissors, tape, glue sticks, "
+        "sticky notes, folders and binders. List three uses of a paper clip:"
+    )
     first = _complete(http, prompt=ask, max_tokens=24)
     assert first["usage"]["prompt_tokens"] > 32
     turn = ask + first["choices"][0]["text"] + "\nNow three more:"
@@ -403,8 +518,10 @@ def test_a_second_turn_reuses_the_first_turns_kv(http):
     after = _wait_idle(http)
     assert after["cached_prompt_tokens"] - before["cached_prompt_tokens"] >= cached
     assert after["prefill_s"] > before["prefill_s"]  # the second turn still prefilled its new tokens
-    assert after["prompt_tokens"] - before["prompt_tokens"] == first["usage"]["prompt_tokens"] + \
-        second["usage"]["prompt_tokens"]
+    assert (
+        after["prompt_tokens"] - before["prompt_tokens"]
+        == first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
+    )
 
 
 @slow
@@ -441,8 +558,10 @@ def test_client_timeout_on_non_streamed_request_frees_the_slot(base_url, http):
 
     before = _wait_idle(http)
     url, body = urlparse(base_url), json.dumps(LONG).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-            f"Authorization: {http.headers['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+        f"Authorization: {http.headers['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
         conn.sendall(head + body)
         deadline = time.monotonic() + 60
@@ -586,12 +705,21 @@ def test_protocol_limits():
     from hvd_ray.serving import protocol as P
 
     ok = {"prompt": "x"}
-    for field, bad, good in [("seed", 2**63, 2**63 - 1), ("seed", -1, 0), ("temperature", 1e-45, 1e-5),
-                             ("temperature", 2.01, 0), ("temperature", float("nan"), 1.0),
-                             ("top_p", 0.0, 1e-3), ("top_k", 2**31, 2**31 - 1),
-                             ("stop", ["a"] * 5, ["a"] * 4), ("stop", "s" * 257, "s" * 256),
-                             ("stop_token_ids", [0] * 65, [0] * 64), ("stop_token_ids", [2**31], [2**31 - 1]),
-                             ("prompt", [2**31], [2**31 - 1]), ("user", "u" * 257, "u" * 256)]:
+    for field, bad, good in [
+        ("seed", 2**63, 2**63 - 1),
+        ("seed", -1, 0),
+        ("temperature", 1e-45, 1e-5),
+        ("temperature", 2.01, 0),
+        ("temperature", float("nan"), 1.0),
+        ("top_p", 0.0, 1e-3),
+        ("top_k", 2**31, 2**31 - 1),
+        ("stop", ["a"] * 5, ["a"] * 4),
+        ("stop", "s" * 257, "s" * 256),
+        ("stop_token_ids", [0] * 65, [0] * 64),
+        ("stop_token_ids", [2**31], [2**31 - 1]),
+        ("prompt", [2**31], [2**31 - 1]),
+        ("user", "u" * 257, "u" * 256),
+    ]:
         with pytest.raises(ValidationError) as e:
             P.CompletionRequest(**{**ok, field: bad})
         assert e.value.errors()[0]["loc"][0] == field
@@ -637,10 +765,16 @@ def test_config_and_builder():
     import serve_app
     from hvd_ray.serving import ServingConfig
 
-    for bad in ({"tensor_parallel_size": 0}, {"drafter": "magic"}, {"max_tokens": 4096, "max_model_len": 2048},
-                {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, {"dtype": "int3"},
-                {"slim": "default", "slim_mode": "sometimes"}, {"policy": "coin-flip"},
-                {"model": "/some/other/model", "drafter": "hvd"}):
+    for bad in (
+        {"tensor_parallel_size": 0},
+        {"drafter": "magic"},
+        {"max_tokens": 4096, "max_model_len": 2048},
+        {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}},
+        {"dtype": "int3"},
+        {"slim": "default", "slim_mode": "sometimes"},
+        {"policy": "coin-flip"},
+        {"model": "/some/other/model", "drafter": "hvd"},
+    ):
         with pytest.raises(ValidationError):
             ServingConfig.model_validate(bad)
     # what `serve run config.yaml` / `serve run serve_app:app k=v` do with the builder and its args
@@ -668,8 +802,11 @@ def test_config_says_where_the_retired_vllm_backend_went():
 
     from hvd_ray.serving import ServingConfig
 
-    for old in ({"backend": "vllm", "vllm_python": "/x/bin/python"}, {"backend": "hvd"},
-                {"vllm_draft_tokens": 16, "vllm_engine_args": {}}):
+    for old in (
+        {"backend": "vllm", "vllm_python": "/x/bin/python"},
+        {"backend": "hvd"},
+        {"vllm_draft_tokens": 16, "vllm_engine_args": {}},
+    ):
         with pytest.raises(ValidationError) as e:
             ServingConfig.model_validate({"max_batch": 2, **old})
         msg = str(e.value)

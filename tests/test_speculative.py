@@ -27,8 +27,9 @@ def drafter_for(name, model, tmp_path_factory):
     if name in ("eagle3", "eagle3-tree"):  # the shipped head: real acceptance runs the multi-token paths
         return make_drafter("eagle3", model, tree=name == "eagle3-tree", slots=4, max_len=1024)
     if name == "draft-model":
-        folder = make_tiny("llama", tmp_path_factory.mktemp("draft"), vocab_size=model.cfg.vocab_size,
-                           max_position_embeddings=2048)
+        folder = make_tiny(
+            "llama", tmp_path_factory.mktemp("draft"), vocab_size=model.cfg.vocab_size, max_position_embeddings=2048
+        )
         return draft_model_drafter(str(folder), model, slots=4, max_len=1024)
     if name == "suffix-tree":
         return make_drafter("suffix", model, tree=True)
@@ -36,8 +37,20 @@ def drafter_for(name, model, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["suffix", "suffix-tree", "layerskip", "draft-model", "eagle3", "eagle3-tree",
-                                  "hvd-tau", "hvd-cost", "hvd-cost-union"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "suffix",
+        "suffix-tree",
+        "layerskip",
+        "draft-model",
+        "eagle3",
+        "eagle3-tree",
+        "hvd-tau",
+        "hvd-cost",
+        "hvd-cost-union",
+    ],
+)
 def test_greedy_speculative_is_token_identical(name, target, prompts, plain, tmp_path_factory):
     model, tok = target
     if name.startswith("hvd-"):  # suffix + EAGLE-3 drafts, chosen per step by the shipped predictor
@@ -96,8 +109,9 @@ def test_speculative_sampling_preserves_the_distribution(tmp_path):
     for drafter in (SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn"), (2, "mlp")], min_prob=0.0)):
         engine = Engine(model, drafters=[drafter], max_batch=8, max_len=64, num_draft_tokens=4)
         n = 3000
-        reqs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=T, seed=s, ignore_eos=True)
-                                              for s in range(n)])
+        reqs = engine.generate(
+            [prompt] * n, [SamplingParams(max_tokens=3, temperature=T, seed=s, ignore_eos=True) for s in range(n)]
+        )
         assert sum(s.accepted for r in reqs for s in r.stats.steps) > 100  # drafts were really accepted
         pvalue, obs = second_token_pvalue(reqs, exact)
         assert pvalue > 1e-3, (drafter.name, obs, (exact * n).tolist())
@@ -117,11 +131,18 @@ def test_a_union_tree_preserves_the_distribution(tmp_path):
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     exact = second_token_marginal(model, prompt, 1.0)
     cache, skip = SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn"), (2, "mlp")], min_prob=0.0)
-    engine = Engine(model, drafters=[cache, skip], max_batch=8, max_len=64, num_draft_tokens=4,
-                    policy=lambda req, eng: Choice(skip, also=cache.speculate(req.req_id, 4)))
+    engine = Engine(
+        model,
+        drafters=[cache, skip],
+        max_batch=8,
+        max_len=64,
+        num_draft_tokens=4,
+        policy=lambda req, eng: Choice(skip, also=cache.speculate(req.req_id, 4)),
+    )
     n = 3000
-    reqs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
-                                          for s in range(n)])
+    reqs = engine.generate(
+        [prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    )
     steps = [s for r in reqs for s in r.stats.steps]
     assert all(s.source == "union" for s in steps)
     assert sum(s.accepted > s.union[1] for s in steps) > 100  # paths only the cache's branch had were taken

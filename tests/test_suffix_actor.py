@@ -58,7 +58,7 @@ def _run(drafter, streams, rid_prefix: str, steps: int = 3) -> list:
             drafts.append((a.req_id, d.token_ids, d.parents, [round(p, 9) for p in d.probs], d.match_len))
         for i in list(pos):
             out = streams[i][1]
-            drafter.accept(f"{rid_prefix}{i}", out[pos[i]:pos[i] + steps])
+            drafter.accept(f"{rid_prefix}{i}", out[pos[i] : pos[i] + steps])
             pos[i] += steps
             if pos[i] >= len(out):
                 drafter.end(f"{rid_prefix}{i}")
@@ -86,7 +86,7 @@ def test_remote_drafts_equal_in_process_drafts(ray_local):
         prompt, output = streams[0]
         other.begin("x", output[:6], 0)
         d = other.speculate("x", 8)
-        assert d.source == "suffix-global" and d.token_ids == output[6:6 + len(d)] and len(d) > 0
+        assert d.source == "suffix-global" and d.token_ids == output[6 : 6 + len(d)] and len(d) > 0
     finally:
         ray_local.kill(actor)
 
@@ -111,7 +111,7 @@ def test_killed_actor_degrades_to_no_drafts_then_resyncs(ray_local):
     actor = service_actor("test-suffix-kill")
     try:
         remote = RemoteSuffixDrafter(actor, timeout_s=5.0, retry_s=0.2)
-        (prompt, output), = _streams(1, seed=2)
+        ((prompt, output),) = _streams(1, seed=2)
         remote.begin("a", prompt + output[:10], 0)
         first = ray_local.get(actor.stats.remote())["incarnation"]
         assert len(remote.speculate("a", 8)) > 0
@@ -134,7 +134,9 @@ def test_killed_actor_degrades_to_no_drafts_then_resyncs(ray_local):
         assert drafts[-1].token_ids, "the proxy never recovered after the actor restarted"
         stats = _retrying(ray_local, lambda: actor.stats.remote())
         assert stats["incarnation"] != first
-        assert _retrying(ray_local, lambda: actor.request_ids.remote(remote.client)) == ["a"]  # the live request came back
+        assert _retrying(ray_local, lambda: actor.request_ids.remote(remote.client)) == [
+            "a"
+        ]  # the live request came back
         # and it holds the full context, so drafts equal a fresh in-process drafter's request-tree draft
         fresh = SuffixDrafter()
         fresh.begin("a", prompt + output[:12])
@@ -170,7 +172,7 @@ def test_mirror_drafts_locally_and_shares_outputs_through_the_actor(ray_local):
         prompt, output = streams[0]
         b.begin("x", output[:6], 0)
         d = b.speculate("x", 8)
-        assert d.source == "suffix-global" and len(d) > 0 and d.token_ids == output[6:6 + len(d)]
+        assert d.source == "suffix-global" and len(d) > 0 and d.token_ids == output[6 : 6 + len(d)]
         _sync_until(a, lambda: a._pulling is None and a._cursor == 4)
         assert a.received == 0  # a client never pulls its own outputs back
     finally:
@@ -185,7 +187,7 @@ def test_mirror_keeps_drafting_while_the_actor_restarts(ray_local):
     actor = service_actor("test-suffix-mirror-kill")
     try:
         m = MirroredSuffixDrafter(actor)
-        (prompt, output), = _streams(1, seed=4)
+        ((prompt, output),) = _streams(1, seed=4)
         first = ray_local.get(actor.stats.remote())["incarnation"]
         ray_local.kill(actor, no_restart=False)
         m.begin("a", prompt + output[:10], 0)
@@ -231,8 +233,14 @@ def test_one_actor_per_model_and_config(ray_local):
         assert ray_local.get(same.stats.remote())["published"] == 1
         assert ray_local.get(other_model.stats.remote())["published"] == 0  # trees are not shared
 
-        names = {n: actor_name(base, m, c) for n, m, c in
-                 (("a", "model-a", conf), ("model", "model-b", conf), ("config", "model-a", {"max_depth": 16}))}
+        names = {
+            n: actor_name(base, m, c)
+            for n, m, c in (
+                ("a", "model-a", conf),
+                ("model", "model-b", conf),
+                ("config", "model-a", {"max_depth": 16}),
+            )
+        }
         assert set(service_actors(base)) == set(names.values())
         time.sleep(1.0)
         ray_local.get(a.pull.remote("c", 0, None))  # a client still uses `a`
@@ -262,19 +270,35 @@ def test_hvd_replica_drafts_through_the_actor_and_stays_greedy(ray_local, defaul
     from hvd_ray.serving.replica import ModelReplica
 
     tok = AutoTokenizer.from_pretrained(default_folder)
-    prompts = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-               'Call get_weather(city="Paris") and then get_weather(city="Rome"). Calls:']
+    prompts = [
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+        'Call get_weather(city="Paris") and then get_weather(city="Rome"). Calls:',
+    ]
     ids = [tok(p)["input_ids"] for p in prompts]
-    ref = Engine(Transformer.from_pretrained(default_folder, dtype=torch.float32), max_batch=2, max_len=512,
-                 eos_token_ids=[tok.eos_token_id])
+    ref = Engine(
+        Transformer.from_pretrained(default_folder, dtype=torch.float32),
+        max_batch=2,
+        max_len=512,
+        eos_token_ids=[tok.eos_token_id],
+    )
     want = [tok.decode(r.output, skip_special_tokens=True) for r in ref.generate(ids, SamplingParams(max_tokens=40))]
     del ref
 
-    config = {"model": "default", "dtype": "float32", "drafter": "hvd", "policy": "cost", "max_batch": 2,
-              "max_model_len": 512, "max_tokens": 64, "torch_threads": 2, "suffix_actor_name": "test-hvd-replica",
-              "suffix_actor_mode": "remote"}  # the HTTP tests (tests/test_serving.py) run the default, mirror
+    config = {
+        "model": "default",
+        "dtype": "float32",
+        "drafter": "hvd",
+        "policy": "cost",
+        "max_batch": 2,
+        "max_model_len": 512,
+        "max_tokens": 64,
+        "torch_threads": 2,
+        "suffix_actor_name": "test-hvd-replica",
+        "suffix_actor_mode": "remote",
+    }  # the HTTP tests (tests/test_serving.py) run the default, mirror
     replica = ModelReplica.func_or_class(config)
     try:
+
         async def one(prompt: str) -> tuple[str, dict]:
             text, last = "", None
             async for ev in replica.generate({"prompt": prompt, "params": {"max_tokens": 40, "temperature": 0.0}}):

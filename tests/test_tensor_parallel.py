@@ -51,9 +51,14 @@ def _tp_engine(folder, drafter: str = "none", step_timeout_s: float = 300.0, **k
     from hvd_ray.build import EngineSpec
     from hvd_ray.serving.tensor_parallel import TensorParallelEngine, TPEngineSpec
 
-    spec = TPEngineSpec(model=str(folder), dtype="float32", torch_threads=1, timeout_s=60,
-                        step_timeout_s=step_timeout_s,
-                        engine=EngineSpec(drafter=drafter, max_batch=4, max_len=256, num_draft_tokens=6, **kw))
+    spec = TPEngineSpec(
+        model=str(folder),
+        dtype="float32",
+        torch_threads=1,
+        timeout_s=60,
+        step_timeout_s=step_timeout_s,
+        engine=EngineSpec(drafter=drafter, max_batch=4, max_len=256, num_draft_tokens=6, **kw),
+    )
     return TensorParallelEngine(spec, 2)
 
 
@@ -176,13 +181,21 @@ def test_replica_tp2_default_model_matches_tp1(ray_local, default_folder):
     ids = [tok(p)["input_ids"] for p in prompts]
     model = Transformer.from_pretrained(default_folder, dtype=torch.float32)
     ref = Engine(model, max_batch=2, max_len=256, eos_token_ids=[tok.eos_token_id])
-    want = [tok.decode(r.output, skip_special_tokens=True)
-            for r in ref.generate(ids, SamplingParams(max_tokens=24))]
+    want = [tok.decode(r.output, skip_special_tokens=True) for r in ref.generate(ids, SamplingParams(max_tokens=24))]
     del model, ref
 
-    config = {"model": "default", "dtype": "float32", "drafter": "hvd", "slim": "default", "max_batch": 2, "max_model_len": 256,
-              "max_tokens": 64, "torch_threads": 1, "tensor_parallel_size": 2,
-              "tp_ray_actor_options": {"num_cpus": 1}}
+    config = {
+        "model": "default",
+        "dtype": "float32",
+        "drafter": "hvd",
+        "slim": "default",
+        "max_batch": 2,
+        "max_model_len": 256,
+        "max_tokens": 64,
+        "torch_threads": 1,
+        "tensor_parallel_size": 2,
+        "tp_ray_actor_options": {"num_cpus": 1},
+    }
     replica = ModelReplica.func_or_class(config)
     try:
         assert isinstance(replica.engine, TensorParallelEngine)

@@ -101,8 +101,14 @@ def test_tiered_keeps_the_full_cache_exact(tiny):
     model = Transformer.from_pretrained(tiny, dtype=torch.float32)
     mask = [(1, "attn"), (2, "mlp")]
     drafter = LayerSkipDrafter(model, [(2, "attn")], depth=4, min_prob=0.0)  # always drafts
-    engine = Engine(model, drafters=[drafter], max_batch=2, max_len=256, num_draft_tokens=4,
-                    slim=SlimTier(mask, "tiered", EVERYTHING, max_lag=7))
+    engine = Engine(
+        model,
+        drafters=[drafter],
+        max_batch=2,
+        max_len=256,
+        num_draft_tokens=4,
+        slim=SlimTier(mask, "tiered", EVERYTHING, max_lag=7),
+    )
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]]
     reqs = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
     lagged = checked = 0
@@ -115,8 +121,9 @@ def test_tiered_keeps_the_full_cache_exact(tiny):
             ref = _reference_kv(tiny, r.tokens[: r.full_len])
             for layer in range(model.cfg.n_layers):
                 for got, want in ((model.cache.k, ref.k), (model.cache.v, ref.v)):
-                    torch.testing.assert_close(got[layer][r.slot, :, : r.full_len], want[layer][0, :, : r.full_len],
-                                               rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(
+                        got[layer][r.slot, :, : r.full_len], want[layer][0, :, : r.full_len], rtol=1e-4, atol=1e-5
+                    )
             checked += 1
     assert lagged > 3 and checked > 10
     for r in reqs:
@@ -132,8 +139,14 @@ def test_tiered_that_escalates_everything_is_greedy(tiny):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     want = [r.output for r in Engine(model, max_batch=2, max_len=128).generate(prompts, params)]
     drafter = LayerSkipDrafter(model, [(2, "attn")], depth=4, min_prob=0.0)
-    engine = Engine(model, drafters=[drafter], max_batch=2, max_len=128, num_draft_tokens=4,
-                    slim=SlimTier([(1, "attn"), (3, "mlp")], "tiered", NOTHING))
+    engine = Engine(
+        model,
+        drafters=[drafter],
+        max_batch=2,
+        max_len=128,
+        num_draft_tokens=4,
+        slim=SlimTier([(1, "attn"), (3, "mlp")], "tiered", NOTHING),
+    )
     reqs = engine.generate(prompts, params)
     assert [r.output for r in reqs] == want
     assert sum(s.slim_escalated for r in reqs for s in r.stats.steps) > 0
@@ -155,16 +168,29 @@ def test_lossless_sampling_preserves_the_distribution(tiny, tmp_path):
     exact = second_token_marginal(model, prompt)
     n = 1500
     for mode in ("lossless",):
-        engine = Engine(model, drafters=[SuffixDrafter()], max_batch=16, max_len=64, num_draft_tokens=4,
-                        slim=SlimTier([(1, "attn"), (2, "mlp")], mode))
-        reqs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
-                                              for s in range(n)])
+        engine = Engine(
+            model,
+            drafters=[SuffixDrafter()],
+            max_batch=16,
+            max_len=64,
+            num_draft_tokens=4,
+            slim=SlimTier([(1, "attn"), (2, "mlp")], mode),
+        )
+        reqs = engine.generate(
+            [prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+        )
         assert sum(s.accepted for r in reqs for s in r.stats.steps) > 100  # repaired drafts were accepted
         pvalue, obs = second_token_pvalue(reqs, exact)
         assert pvalue > 1e-3, (mode, obs, (exact * n).tolist())
     # a tiered engine sends sampled requests down the same (lossless) path: q verifies every step
-    engine = Engine(model, drafters=[SuffixDrafter()], max_batch=4, max_len=64, num_draft_tokens=4,
-                    slim=SlimTier([(1, "attn"), (2, "mlp")], "tiered", EVERYTHING))
+    engine = Engine(
+        model,
+        drafters=[SuffixDrafter()],
+        max_batch=4,
+        max_len=64,
+        num_draft_tokens=4,
+        slim=SlimTier([(1, "attn"), (2, "mlp")], "tiered", EVERYTHING),
+    )
     reqs = engine.generate([prompt] * 8, SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))
     assert all(s.full_forward for r in reqs for s in r.stats.steps)
 
@@ -177,15 +203,27 @@ def test_lossless_is_token_identical_with_fewer_full_forwards(name, target, prom
     params = SamplingParams(max_tokens=MAX_NEW)
     base = Engine(model, drafters=[make_drafter(name, model)], max_batch=4, max_len=1024, num_draft_tokens=6)
     two_tier = base.generate(prompts, params)
-    engine = Engine(model, drafters=[make_drafter(name, model)], max_batch=4, max_len=1024, num_draft_tokens=6,
-                    slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "lossless"))
+    engine = Engine(
+        model,
+        drafters=[make_drafter(name, model)],
+        max_batch=4,
+        max_len=1024,
+        num_draft_tokens=6,
+        slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "lossless"),
+    )
     reqs = engine.generate(prompts, params)
     assert [r.output for r in reqs] == plain
     assert forwards(reqs) < forwards(two_tier)
     assert sum(r.stats.slim_forwards for r in reqs) > 0
     if name == "suffix":  # batch 1 on a few prompts
-        engine = Engine(model, drafters=[make_drafter(name, model)], max_batch=1, max_len=1024, num_draft_tokens=6,
-                        slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "lossless"))
+        engine = Engine(
+            model,
+            drafters=[make_drafter(name, model)],
+            max_batch=1,
+            max_len=1024,
+            num_draft_tokens=6,
+            slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "lossless"),
+        )
         for ids, want in list(zip(prompts, plain))[::5]:  # one per workload
             assert engine.generate([ids], params)[0].output == want
 
@@ -194,8 +232,14 @@ def test_lossless_is_token_identical_with_fewer_full_forwards(name, target, prom
 def test_tiered_on_real_prompts_saves_full_forwards(target, prompts, plain):
     model, _ = target
     params = SamplingParams(max_tokens=MAX_NEW)
-    engine = Engine(model, drafters=[make_drafter("suffix", model)], max_batch=4, max_len=1024, num_draft_tokens=6,
-                    slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "tiered"))
+    engine = Engine(
+        model,
+        drafters=[make_drafter("suffix", model)],
+        max_batch=4,
+        max_len=1024,
+        num_draft_tokens=6,
+        slim=SlimTier(resolve_mask("layerskip", model.cfg.n_layers), "tiered"),
+    )
     reqs = engine.generate(prompts, params)
     steps = [s for r in reqs for s in r.stats.steps]
     assert any(not s.full_forward for s in steps)  # tokens were settled by q' alone

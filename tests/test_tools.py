@@ -11,13 +11,25 @@ import pytest
 
 from hvd_ray.serving import tools
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
 ]
 # A template that renders tools itself, as Qwen2/Qwen3's do (Hermes layout), reduced to what matters
@@ -26,7 +38,8 @@ TOOL_TEMPLATE = (
     "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
     " | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
-    "<|im_start|>assistant\n{% endif %}")
+    "<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +74,7 @@ def test_a_template_that_knows_tools_renders_them_itself(tok):
     assert tools.template_knows_tools(tok)
     text, start = tools.render(tok, HISTORY, TOOLS, "auto")
     assert "# Tools\n<tools>" in text and "You are an expert in composing functions" not in text
-    call = text[text.index("<|im_start|>assistant"):text.index("<|im_start|>tool")]
+    call = text[text.index("<|im_start|>assistant") : text.index("<|im_start|>tool")]
     assert '"name": "get_weather"' in call and '"arguments": {"city": "Paris"}' in call  # a dict, not a string
     assert '<|im_start|>tool\n{"temperature": 21}<|im_end|>' in text
     _, start = tools.render(tok, HISTORY[:1], TOOLS, {"type": "function", "function": {"name": "get_weather"}})
@@ -75,17 +88,24 @@ def test_chat_template_kwargs_reach_the_template(tok):
     assert tools.render(tok, HISTORY[:1], None, None, {"mood": "terse"})[0].endswith("|terse")
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ("no call here", "no call here", None),
-    ('<tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>', None, [("f", {"a": 1})]),
-    ('Sure. <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": '
-     '{"b": "x"}}\n</tool_call>', "Sure.", [("f", {}), ("g", {"b": "x"})]),
-    # a small model's list without commas, cut short by max_tokens: the whole objects count
-    ('<tool_call>[\n{"name": "f", "arguments": {"a": 1}}\n{"name": "g", "argu', None, [("f", {"a": 1})]),
-    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}', None, [("f", {"a": 2})]),  # arguments as a string
-    ('<tool_call>\n"not a call"\n</tool_call>', '<tool_call>\n"not a call"\n</tool_call>', None),
-    ('<tool_call>[{"arguments": {}}]</tool_call>', '<tool_call>[{"arguments": {}}]</tool_call>', None),
-])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("no call here", "no call here", None),
+        ('<tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>', None, [("f", {"a": 1})]),
+        (
+            'Sure. <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": '
+            '{"b": "x"}}\n</tool_call>',
+            "Sure.",
+            [("f", {}), ("g", {"b": "x"})],
+        ),
+        # a small model's list without commas, cut short by max_tokens: the whole objects count
+        ('<tool_call>[\n{"name": "f", "arguments": {"a": 1}}\n{"name": "g", "argu', None, [("f", {"a": 1})]),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}', None, [("f", {"a": 2})]),  # arguments as a string
+        ('<tool_call>\n"not a call"\n</tool_call>', '<tool_call>\n"not a call"\n</tool_call>', None),
+        ('<tool_call>[{"arguments": {}}]</tool_call>', '<tool_call>[{"arguments": {}}]</tool_call>', None),
+    ],
+)
 def test_parse(text, content, calls):
     got_content, got = tools.parse(text)
     assert got_content == content
@@ -98,30 +118,35 @@ def test_parse(text, content, calls):
 
 
 def test_parallel_tool_calls_false_keeps_the_first():
-    _, calls = tools.parse('<tool_call>[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]</tool_call>',
-                           parallel=False)
+    _, calls = tools.parse(
+        '<tool_call>[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]</tool_call>', parallel=False
+    )
     assert [c["function"]["name"] for c in calls] == ["f"]
 
 
-@pytest.mark.parametrize("text", [
-    "Just an answer, with a < sign and <tool in it.",
-    'Let me check. <tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>',
-    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
-    "<tool_call>garbage",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Just an answer, with a < sign and <tool in it.",
+        'Let me check. <tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+        "<tool_call>garbage",
+    ],
+)
 def test_streamed_pieces_give_what_parse_gives(text):
     rng = random.Random(0)
     for _ in range(20):
         split, streamed, i = tools.StreamSplitter(), "", 0
         while i < len(text):
             n = rng.randint(1, 6)
-            streamed += split.push(text[i:i + n])
+            streamed += split.push(text[i : i + n])
             i += n
         rest, calls = split.finish()
         content, want = tools.parse(text)
         if want is None:
             assert streamed + rest == text and calls is None
         else:
-            assert (streamed + rest).strip() == (content or "") and [c["function"] for c in calls] == \
-                [c["function"] for c in want]
+            assert (streamed + rest).strip() == (content or "") and [c["function"] for c in calls] == [
+                c["function"] for c in want
+            ]
         assert "<tool_call" not in streamed  # a call's opening is never streamed as content

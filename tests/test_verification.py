@@ -60,8 +60,8 @@ def test_tree_attention_mask_is_ancestor_relation():
     assert mask.dtype == torch.bool and mask.shape == (8, 8)
     for j in range(8):
         assert mask[j].nonzero().flatten().tolist() == sorted(path_to(TREE, j))
-    assert mask[:, 0].all()                       # everyone sees the root
-    assert mask.diagonal().all()                  # and itself
+    assert mask[:, 0].all()  # everyone sees the root
+    assert mask.diagonal().all()  # and itself
     assert mask.sum().item() == sum(d + 1 for d in tree_depths(TREE))
 
 
@@ -91,10 +91,10 @@ def logits_with_argmax(best: list[int], vocab: int = 10) -> torch.Tensor:
 
 def test_greedy_chain_cases():
     logits = logits_with_argmax([3, 1, 4, 1, 5])
-    assert greedy_accept_chain(logits, [3, 1, 4, 1]) == (4, 5)     # all accepted, bonus
-    assert greedy_accept_chain(logits, [2, 1, 4, 1]) == (0, 3)     # none: correction token
-    assert greedy_accept_chain(logits, [3, 1, 9, 1]) == (2, 4)     # partial
-    assert greedy_accept_chain(logits[:1], []) == (0, 3)           # empty draft
+    assert greedy_accept_chain(logits, [3, 1, 4, 1]) == (4, 5)  # all accepted, bonus
+    assert greedy_accept_chain(logits, [2, 1, 4, 1]) == (0, 3)  # none: correction token
+    assert greedy_accept_chain(logits, [3, 1, 9, 1]) == (2, 4)  # partial
+    assert greedy_accept_chain(logits[:1], []) == (0, 3)  # empty draft
     assert greedy_accept_chain(logits, torch.tensor([3, 1, 4, 1])) == (4, 5)
     with pytest.raises(ValueError):
         greedy_accept_chain(logits, [3])
@@ -116,7 +116,7 @@ def test_greedy_chain_batch_matches_rows():
         best = logits.argmax(-1)
         drafts = torch.randint(0, V, (B, K), generator=g)
         keep = torch.rand(B, K, generator=g) < 0.7
-        drafts = torch.where(keep, best[:, :K], drafts)              # long accepted runs
+        drafts = torch.where(keep, best[:, :K], drafts)  # long accepted runs
         lens = torch.randint(0, K + 1, (B,), generator=g)
         acc, bonus = greedy_accept_chain_batch(logits, drafts, lens)
         assert acc.dtype == torch.long and acc.shape == bonus.shape == (B,)
@@ -124,8 +124,9 @@ def test_greedy_chain_batch_matches_rows():
             n = int(lens[b])
             want = greedy_accept_chain(logits[b, : n + 1], drafts[b, :n])
             assert (int(acc[b]), int(bonus[b])) == want
-    acc, bonus = greedy_accept_chain_batch(logits_with_argmax([7, 2])[:, None].transpose(0, 1),
-                                           torch.tensor([[7]]), [1])
+    acc, bonus = greedy_accept_chain_batch(
+        logits_with_argmax([7, 2])[:, None].transpose(0, 1), torch.tensor([[7]]), [1]
+    )
     assert acc.tolist() == [1] and bonus.tolist() == [2]
 
 
@@ -144,8 +145,9 @@ def test_greedy_tree_on_a_chain_equals_greedy_chain():
     g = torch.Generator().manual_seed(1)
     for n in range(6):
         logits = torch.randint(0, 3, (n + 1, 4), generator=g).float()
-        draft = torch.where(torch.rand(n, generator=g) < 0.8, logits[:n].argmax(-1),
-                            torch.randint(0, 4, (n,), generator=g)).tolist()
+        draft = torch.where(
+            torch.rand(n, generator=g) < 0.8, logits[:n].argmax(-1), torch.randint(0, 4, (n,), generator=g)
+        ).tolist()
         path, bonus = greedy_accept_tree(logits, draft, Draft.chain(draft).parents)
         k, want_bonus = greedy_accept_chain(logits, draft)
         assert path == list(range(k)) and bonus == want_bonus
@@ -182,16 +184,16 @@ def test_rejection_sampling_reduces_to_greedy_at_temperature_zero():
     for n in range(8):
         logits = torch.randn(n + 1, 6, generator=g)
         probs = target_probs(logits, 0.0)
-        draft = torch.where(torch.rand(n, generator=g) < 0.8, logits[:n].argmax(-1),
-                            torch.randint(0, 6, (n,), generator=g)).tolist()
+        draft = torch.where(
+            torch.rand(n, generator=g) < 0.8, logits[:n].argmax(-1), torch.randint(0, 6, (n,), generator=g)
+        ).tolist()
         assert rejection_sample_chain(probs, draft, None, g) == greedy_accept_chain(logits, draft)
         path, tok = rejection_sample_tree(probs, draft, Draft.chain(draft).parents, g)
         k, bonus = greedy_accept_chain(logits, draft)
         assert (path, tok) == (list(range(k)), bonus)
     tokens, best = [11, 12, 20, 13, 10, 21, 14], [12, 0, 13, 0, 14, 0, 0, 15]
     logits = logits_with_argmax(best, 30)
-    assert rejection_sample_tree(target_probs(logits, 0.0), tokens, TREE, g) == \
-        greedy_accept_tree(logits, tokens, TREE)
+    assert rejection_sample_tree(target_probs(logits, 0.0), tokens, TREE, g) == greedy_accept_tree(logits, tokens, TREE)
 
 
 def test_draft_equal_to_target_is_always_accepted():
@@ -267,8 +269,7 @@ def chain_sampled_step(prefix, rng, g):
         qs.append(q)
         pre = pre + (draft[-1],)
     qs = torch.from_numpy(np.stack(qs)).float() if qs else torch.empty(0, V)
-    k, tok = rejection_sample_chain(rows(prefix, draft, list(range(-1, len(draft) - 1))), draft,
-                                    qs, g)
+    k, tok = rejection_sample_chain(rows(prefix, draft, list(range(-1, len(draft) - 1))), draft, qs, g)
     return draft[:k] + [tok]
 
 
@@ -278,8 +279,7 @@ def chain_greedy_step(prefix, rng, g):
     for _ in range(rng.integers(4)):
         draft.append(int(dist(1, pre).argmax()))
         pre = pre + (draft[-1],)
-    k, tok = rejection_sample_chain(rows(prefix, draft, list(range(-1, len(draft) - 1))), draft,
-                                    None, g)
+    k, tok = rejection_sample_chain(rows(prefix, draft, list(range(-1, len(draft) - 1))), draft, None, g)
     return draft[:k] + [tok]
 
 
@@ -346,9 +346,11 @@ def test_toy_language_is_a_real_test():
     assert np.abs(TARGET_PAIR.sum() - 1.0) < 1e-9
 
 
-@pytest.mark.parametrize("step", [chain_sampled_step, chain_greedy_step, tree_step,
-                                  functools.partial(tree_step, duplicate=True)],
-                         ids=["chain-sampled", "chain-deterministic", "tree", "tree-duplicates"])
+@pytest.mark.parametrize(
+    "step",
+    [chain_sampled_step, chain_greedy_step, tree_step, functools.partial(tree_step, duplicate=True)],
+    ids=["chain-sampled", "chain-deterministic", "tree", "tree-duplicates"],
+)
 def test_speculative_sampling_preserves_the_target(step):
     assert_matches_target(first_two(step, seed=11))
 
@@ -383,8 +385,7 @@ def tree_without_renormalising(prefix, rng, g):
     return [int(rng.choice(V, p=residual / residual.sum()))]
 
 
-@pytest.mark.parametrize("step", [from_draft_model, resample_from_p_on_rejection,
-                                  tree_without_renormalising])
+@pytest.mark.parametrize("step", [from_draft_model, resample_from_p_on_rejection, tree_without_renormalising])
 def test_the_check_catches_wrong_samplers(step):
     counts = first_two(step, seed=11)
     with pytest.raises(AssertionError):

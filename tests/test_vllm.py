@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 
 VLLM_PYTHON = os.environ.get("HVD_VLLM_PYTHON", str(Path.home() / ".cache/hvd-peers/vllm/bin/python"))
-needs_vllm = pytest.mark.skipif(not Path(VLLM_PYTHON).exists(),
-                                reason="no vLLM interpreter (bash ../shared/peers/setup_vllm.sh)")
+needs_vllm = pytest.mark.skipif(
+    not Path(VLLM_PYTHON).exists(), reason="no vLLM interpreter (bash ../shared/peers/setup_vllm.sh)"
+)
 
 
 def config(k: int = 16, tokenizer: str = "", vocab: int = 0, max_len: int = 512):
     """The parts of vLLM's ``VllmConfig`` the proposer reads."""
-    mc = SimpleNamespace(max_model_len=max_len, tokenizer=tokenizer, trust_remote_code=False,
-                         get_vocab_size=lambda: vocab)
+    mc = SimpleNamespace(
+        max_model_len=max_len, tokenizer=tokenizer, trust_remote_code=False, get_vocab_size=lambda: vocab
+    )
     return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k), model_config=mc)
 
 
@@ -55,7 +57,7 @@ class FakeRunner:
                 if t != want or len(got) >= r["left"]:
                     break
             got = got[: r["left"]]
-            self.tokens[i, self.n[i]: self.n[i] + len(got)] = got
+            self.tokens[i, self.n[i] : self.n[i] + len(got)] = got
             self.n[i] += len(got)
             r["left"] -= len(got)
             r["out"] += got
@@ -123,7 +125,7 @@ def greedy_outputs(target, prompts, max_tokens):
         ctx = list(p)
         for _ in range(max_tokens):
             ctx.append(target(ctx))
-        out[name] = ctx[len(p):]
+        out[name] = ctx[len(p) :]
     return out
 
 
@@ -197,8 +199,9 @@ def test_the_hybrid_plan_takes_the_cache_the_model_or_nothing_per_row(default_fo
     from hvd_ray.vllm import HvdStaticProposer
     from hvd_ray.vllm.proposer import ModelDrafter
 
-    p = HvdStaticProposer(config(k=32, tokenizer=str(default_folder), vocab=49152), model=ModelDrafter("eagle3", 4),
-                          model_accept=2.0)
+    p = HvdStaticProposer(
+        config(k=32, tokenizer=str(default_folder), vocab=49152), model=ModelDrafter("eagle3", 4), model_accept=2.0
+    )
 
     def target(ctx):  # request "a" (tokens >= 100) repeats itself, request "b" does not
         return cyclic(9)(ctx) if ctx[0] >= 100 else hashed(ctx)
@@ -225,15 +228,25 @@ def test_the_plugin_turns_method_hvd_into_vllm_eagle3_and_checks_the_version():
     from hvd_ray.vllm.plugin import check_version, translate
 
     spec, settings = translate({"method": "hvd", "num_speculative_tokens": 16, "hvd_eagle_tokens": 4})
-    assert spec == {"method": "eagle3", "model": str(EAGLE3_ASSET), "num_speculative_tokens": 16,
-                    "disable_padded_drafter_batch": True}
+    assert spec == {
+        "method": "eagle3",
+        "model": str(EAGLE3_ASSET),
+        "num_speculative_tokens": 16,
+        "disable_padded_drafter_batch": True,
+    }
     assert settings == {"policy": "cost", "eagle_tokens": 4, "head": str(EAGLE3_ASSET)}
     assert translate({"method": "hvd", "model": "/heads/h", "hvd_policy": "tau", "enforce_eager": True})[0] == {
-        "method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 32, "disable_padded_drafter_batch": True,
-        "enforce_eager": True}
-    for bad, message in (({"hvd_policy": "best"}, "hvd_policy must be one of cost, static, tau"),
-                         ({"hvd_eagle_tokens": 40}, r"hvd_eagle_tokens must be in \[1, num_speculative_tokens = 32\]"),
-                         ({"draft_sample_method": "probabilistic"}, "cannot run with draft_sample_method")):
+        "method": "eagle3",
+        "model": "/heads/h",
+        "num_speculative_tokens": 32,
+        "disable_padded_drafter_batch": True,
+        "enforce_eager": True,
+    }
+    for bad, message in (
+        ({"hvd_policy": "best"}, "hvd_policy must be one of cost, static, tau"),
+        ({"hvd_eagle_tokens": 40}, r"hvd_eagle_tokens must be in \[1, num_speculative_tokens = 32\]"),
+        ({"draft_sample_method": "probabilistic"}, "cannot run with draft_sample_method"),
+    ):
         with pytest.raises(ValueError, match=message):
             translate({"method": "hvd", **bad})
     for ok in ("0.32.0", "0.32.3+cpu"):
@@ -265,14 +278,19 @@ def test_nothing_but_hvd_ray_vllm_imports_it():
     from test_layers import graph
 
     edges, _ = graph()
-    users = {m for m, deps in edges.items() for _, d in deps if d.startswith("hvd_ray.vllm")
-             and not m.startswith("hvd_ray.vllm")}
+    users = {
+        m
+        for m, deps in edges.items()
+        for _, d in deps
+        if d.startswith("hvd_ray.vllm") and not m.startswith("hvd_ray.vllm")
+    }
     assert not users, users
 
 
 # ------------------------------------------------------------------------------ inside real vLLM
-def real_prompts(tok, per_workload: int = 5,
-                 workloads=("code", "chat", "function_calling", "code_edit")) -> list[list[int]]:
+def real_prompts(
+    tok, per_workload: int = 5, workloads=("code", "chat", "function_calling", "code_edit")
+) -> list[list[int]]:
     from hvd_ray.workloads import load_workload, render
 
     out = []
@@ -299,9 +317,17 @@ def test_hvd_proposer_in_vllm_is_greedy_identical(default_folder):
 
     prompts = real_prompts(AutoTokenizer.from_pretrained(default_folder))
     assert len(prompts) == 20
-    job = {"model": str(default_folder), "prompts": prompts, "max_tokens": 48, "threads": 2, "dtype": "float32",
-           "batch": True, "inproc": True, "count": True,
-           "methods": {"vllm-greedy": None, "vllm-hvd": VLLM_HVD_METHODS["vllm-hvd"]}}
+    job = {
+        "model": str(default_folder),
+        "prompts": prompts,
+        "max_tokens": 48,
+        "threads": 2,
+        "dtype": "float32",
+        "batch": True,
+        "inproc": True,
+        "count": True,
+        "methods": {"vllm-greedy": None, "vllm-hvd": VLLM_HVD_METHODS["vllm-hvd"]},
+    }
     res = run_vllm_job(VLLM_PYTHON, job, timeout=600)["methods"]
     assert "error" not in res["vllm-hvd"], res["vllm-hvd"]
     greedy, ours = res["vllm-greedy"], res["vllm-hvd"]
@@ -333,8 +359,17 @@ def test_the_plugin_method_hvd_in_vllm_is_greedy_identical(tmp_path, monkeypatch
     methods = {"vllm-greedy": None, "vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32}}
     stats = {}
     for batch, group in ((8, prompts), (1, prompts[::2])):
-        job = {"model": str(default_folder), "prompts": group, "max_tokens": 48, "threads": 2, "dtype": "float32",
-               "batch": batch > 1, "inproc": True, "count": True, "methods": methods}
+        job = {
+            "model": str(default_folder),
+            "prompts": group,
+            "max_tokens": 48,
+            "threads": 2,
+            "dtype": "float32",
+            "batch": batch > 1,
+            "inproc": True,
+            "count": True,
+            "methods": methods,
+        }
         res = run_vllm_job(VLLM_PYTHON, job, timeout=600)
         assert "hvd" in res["plugins"], res["plugins"]  # vLLM loads the plug-in itself
         greedy, ours = res["methods"]["vllm-greedy"], res["methods"]["vllm-hvd-plugin"]
@@ -342,9 +377,15 @@ def test_the_plugin_method_hvd_in_vllm_is_greedy_identical(tmp_path, monkeypatch
         assert len(ours["outputs"]) == len(group) and ours["outputs"] == greedy["outputs"], batch
         stats[batch] = s = ours["proposer"]
         assert s["requests"] == len(group) and sum(s["rows"].values()) > 0, s
-    print("rows by source at batch 8 / 1:", stats[8]["rows"], stats[1]["rows"],
-          "steps with rows of different sources at batch 8:", stats[8]["mixed_steps"],
-          "of them with a cache and a model row:", stats[8]["cache_and_model_steps"])
+    print(
+        "rows by source at batch 8 / 1:",
+        stats[8]["rows"],
+        stats[1]["rows"],
+        "steps with rows of different sources at batch 8:",
+        stats[8]["mixed_steps"],
+        "of them with a cache and a model row:",
+        stats[8]["cache_and_model_steps"],
+    )
     for source in ("cache", "model"):
         assert stats[8]["rows"][source] + stats[1]["rows"][source] > 0, stats
     assert stats[8]["mixed_steps"] > 0, stats[8]
@@ -377,12 +418,27 @@ def test_the_plugin_samples_from_vllms_own_distribution(default_folder):
     from hvd_ray.bench.peers import run_vllm_job
 
     tok = AutoTokenizer.from_pretrained(default_folder)
-    ids = tok(tok.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
-                                      tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-    job = {"model": str(default_folder), "prompts": [ids] * 200, "max_tokens": 5, "threads": 2, "dtype": "float32",
-           "batch": 8, "inproc": True, "count": True, "sampling": {"temperature": 0.7, "seed": 0},
-           "plugins": ["hvd_ray.vllm.plugin:register"],
-           "methods": {"vllm-sample": None, "vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32}}}
+    ids = tok(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Write a short poem about the sea."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
+    job = {
+        "model": str(default_folder),
+        "prompts": [ids] * 200,
+        "max_tokens": 5,
+        "threads": 2,
+        "dtype": "float32",
+        "batch": 8,
+        "inproc": True,
+        "count": True,
+        "sampling": {"temperature": 0.7, "seed": 0},
+        "plugins": ["hvd_ray.vllm.plugin:register"],
+        "methods": {"vllm-sample": None, "vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32}},
+    }
     res = run_vllm_job(VLLM_PYTHON, job, timeout=600)["methods"]
     plain, ours = res["vllm-sample"], res["vllm-hvd-plugin"]
     assert "error" not in ours, ours
@@ -411,9 +467,32 @@ def test_collect_traces_with_the_vllm_backend(tmp_path, default_folder):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "traces"
-    cmd = [sys.executable, str(root / "jobs" / "collect_traces.py"), "--workload", "code", "--split", "test",
-           "--limit", "4", "--max-tokens", "24", "--dtype", "float32", "--topk-logprobs", "3", "--batch-size", "4",
-           "--threads", "2", "--backend", "vllm", "--vllm-python", VLLM_PYTHON, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(root / "jobs" / "collect_traces.py"),
+        "--workload",
+        "code",
+        "--split",
+        "test",
+        "--limit",
+        "4",
+        "--max-tokens",
+        "24",
+        "--dtype",
+        "float32",
+        "--topk-logprobs",
+        "3",
+        "--batch-size",
+        "4",
+        "--threads",
+        "2",
+        "--backend",
+        "vllm",
+        "--vllm-python",
+        VLLM_PYTHON,
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
     r = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -427,8 +506,9 @@ def test_collect_traces_with_the_vllm_backend(tmp_path, default_folder):
         assert len(row["topk_logprobs"]) == len(row["output_tokens"]) and row["finish_reason"] in ("stop", "length")
 
     model, _ = load("default", "float32")
-    ours = Engine(model, max_batch=4, max_len=1024).generate([row["prompt_tokens"] for row in rows],
-                                                              SamplingParams(max_tokens=24))
+    ours = Engine(model, max_batch=4, max_len=1024).generate(
+        [row["prompt_tokens"] for row in rows], SamplingParams(max_tokens=24)
+    )
     assert [row["output_tokens"] for row in rows] == [q.output for q in ours]
 
     labels = TraceLabeler(str(out), ReplayConfig(model="default", model_drafter="none"))(read_trace_table(out))

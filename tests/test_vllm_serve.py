@@ -9,15 +9,44 @@ import pytest
 from test_vllm import VLLM_PYTHON, needs_vllm
 
 AGENT_TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string",
-                    "enum": ["c", "f"]}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "search_flights", "description": "Search flights on a date",
-     "parameters": {"type": "object", "properties": {"origin": {"type": "string"}, "destination": {"type": "string"},
-                    "date": {"type": "string"}}, "required": ["origin", "destination", "date"]}}}]
-PERSON = {"type": "object", "required": ["name", "age", "languages"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                         "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_flights",
+            "description": "Search flights on a date",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "origin": {"type": "string"},
+                    "destination": {"type": "string"},
+                    "date": {"type": "string"},
+                },
+                "required": ["origin", "destination", "date"],
+            },
+        },
+    },
+]
+PERSON = {
+    "type": "object",
+    "required": ["name", "age", "languages"],
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+}
 
 
 def agent_calls(url: str) -> list[dict]:
@@ -27,21 +56,41 @@ def agent_calls(url: str) -> list[dict]:
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
-    trip = [{"role": "system", "content": "You are a travel assistant. Use the tools."},
-            {"role": "user", "content": "Find me a flight from Boston to Paris on 2026-12-24, and tell me the "
-                                        "weather in Paris."}]
-    asks = [dict(messages=trip, tools=AGENT_TOOLS, tool_choice=c, max_tokens=n) for c, n in
-            (("required", 96), ({"type": "function", "function": {"name": "search_flights"}}, 48), ("auto", 32))]
-    asks.append(dict(messages=[{"role": "user", "content": "Describe a software engineer named Ada as JSON."}],
-                     response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
-                     max_tokens=96))
-    asks.append(dict(messages=[{"role": "user", "content": "List the planets of the solar system."}],
-                     logprobs=True, top_logprobs=2, max_tokens=24))
+    trip = [
+        {"role": "system", "content": "You are a travel assistant. Use the tools."},
+        {
+            "role": "user",
+            "content": "Find me a flight from Boston to Paris on 2026-12-24, and tell me the weather in Paris.",
+        },
+    ]
+    asks = [
+        dict(messages=trip, tools=AGENT_TOOLS, tool_choice=c, max_tokens=n)
+        for c, n in (("required", 96), ({"type": "function", "function": {"name": "search_flights"}}, 48), ("auto", 32))
+    ]
+    asks.append(
+        dict(
+            messages=[{"role": "user", "content": "Describe a software engineer named Ada as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+            max_tokens=96,
+        )
+    )
+    asks.append(
+        dict(
+            messages=[{"role": "user", "content": "List the planets of the solar system."}],
+            logprobs=True,
+            top_logprobs=2,
+            max_tokens=24,
+        )
+    )
     out = []
     for ask in asks:
         ch = client.chat.completions.create(model=model, temperature=0, **ask).choices[0]
         calls = [(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []]
-        lp = [(t.token, t.logprob, [x.token for x in t.top_logprobs]) for t in ch.logprobs.content] if ch.logprobs else []
+        lp = (
+            [(t.token, t.logprob, [x.token for x in t.top_logprobs]) for t in ch.logprobs.content]
+            if ch.logprobs
+            else []
+        )
         out.append({"content": ch.message.content, "calls": calls, "finish": ch.finish_reason, "logprobs": lp})
     return out
 
@@ -64,9 +113,19 @@ def test_vllm_serve_with_the_plugin_answers_agents_as_without_speculation(tmp_pa
     from hvd_ray.bench.vllm_server import VllmServer
 
     spec = {"method": "hvd", "num_speculative_tokens": 32}
-    servers = [VllmServer(VLLM_PYTHON, str(default_folder), free_port(), s, log=str(tmp_path / f"{name}.log"),
-                          threads=1, dtype="float32", max_model_len=2048)
-               for name, s in (("plain", None), ("hvd", spec))]
+    servers = [
+        VllmServer(
+            VLLM_PYTHON,
+            str(default_folder),
+            free_port(),
+            s,
+            log=str(tmp_path / f"{name}.log"),
+            threads=1,
+            dtype="float32",
+            max_model_len=2048,
+        )
+        for name, s in (("plain", None), ("hvd", spec))
+    ]
     try:
         with ThreadPoolExecutor(2) as pool:  # the two servers answer side by side
             plain, ours = pool.map(lambda srv: agent_calls(srv.wait(600).url), servers)

@@ -47,8 +47,12 @@ def closed_loop(engines: dict, prompts: list[list[int]], params, concurrency: in
                 spent[m] += time.perf_counter() - t0
         steps += 1
         if steps % 200 == 0:
-            print(f"[c={concurrency}] step {steps}: " + ", ".join(
-                f"{m} {sum(r.finished for r in done[m])}/{len(prompts)}" for m in engines), file=sys.stderr, flush=True)
+            print(
+                f"[c={concurrency}] step {steps}: "
+                + ", ".join(f"{m} {sum(r.finished for r in done[m])}/{len(prompts)}" for m in engines),
+                file=sys.stderr,
+                flush=True,
+            )
     return {m: {"reqs": done[m], "seconds": spent[m]} for m in engines}
 
 
@@ -98,11 +102,12 @@ def bench_batch(args) -> str:
             tps = toks / run["seconds"]
             same = sum(r.output == o for r, o in zip(reqs, ref))
             armed = [s.arm for s in steps if s.arm is not None]
-            arms = " / ".join(f"{armed.count(a) / len(armed):.0%}" for a in ARMS) \
-                if armed else ""
-            lines.append(f"| {c} | {m} | {toks} | {tps:.1f} | **{tps / base:.2f}x** | "
-                         f"{sum(s.accepted + 1 for s in steps) / max(len(steps), 1):.2f} | "
-                         f"{sum(s.drafted > 0 for s in steps) / max(len(steps), 1):.0%} | {same}/{len(reqs)} | "
-                         f"{arms} |")
+            arms = " / ".join(f"{armed.count(a) / len(armed):.0%}" for a in ARMS) if armed else ""
+            lines.append(
+                f"| {c} | {m} | {toks} | {tps:.1f} | **{tps / base:.2f}x** | "
+                f"{sum(s.accepted + 1 for s in steps) / max(len(steps), 1):.2f} | "
+                f"{sum(s.drafted > 0 for s in steps) / max(len(steps), 1):.0%} | {same}/{len(reqs)} | "
+                f"{arms} |"
+            )
         del engines, runs
     return "\n".join(lines) + "\n"

@@ -39,7 +39,8 @@ def bench_engine(args) -> str:
         reqs = engine.generate(batch, params)
         rate = sum(len(r.output) for r in reqs) / (time.perf_counter() - t0)
         decode_rate["b1" if len(batch) == 1 else "b8"].append(
-            sum(len(r.output) - 1 for r in reqs) / max(r.stats.decode_s for r in reqs))
+            sum(len(r.output) - 1 for r in reqs) / max(r.stats.decode_s for r in reqs)
+        )
         return rate
 
     def hf(batch):
@@ -48,8 +49,14 @@ def bench_engine(args) -> str:
         am = torch.tensor([[0] * (L - len(b)) + [1] * len(b) for b in batch])
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = ref.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                               pad_token_id=tok.eos_token_id)
+            out = ref.generate(
+                ids,
+                attention_mask=am,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
         return (out.shape[1] - L) * len(batch) / (time.perf_counter() - t0)
 
     ours([prompts[0]]), hf([prompts[0]])  # warm-up
@@ -68,7 +75,10 @@ def bench_engine(args) -> str:
     prefix = (prompts[0] * 4)[:300]
     modes: dict[str, str | None] = {"": None}  # label -> HVD_BF16_UPCAST for that mode (None: as set)
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        modes = {"bf16 weights as fp32 for 2+ rows (default here)": "1", "torch's bf16 matmuls (HVD_BF16_UPCAST=0)": "0"}
+        modes = {
+            "bf16 weights as fp32 for 2+ rows (default here)": "1",
+            "torch's bf16 matmuls (HVD_BF16_UPCAST=0)": "0",
+        }
     user_flag = os.environ.get("HVD_BF16_UPCAST")
     times: dict[str, dict[int, list]] = {m: {k: [] for k in (1, 2, 4, 8, 16, 32)} for m in modes}
     for _ in range(args.reps * 3):
@@ -120,8 +130,15 @@ def bench_engine(args) -> str:
     ]
     for mode, c in all_costs.items():
         label = f" ({mode})" if mode else ""
-        lines += [f"| ms{label} | " + " | ".join(f"{v * 1000:.1f}" for v in c.values()) + " |",
-                  f"| x k=1{label} | " + " | ".join(f"{v / c[1]:.2f}" for v in c.values()) + " |"]
+        lines += [
+            f"| ms{label} | " + " | ".join(f"{v * 1000:.1f}" for v in c.values()) + " |",
+            f"| x k=1{label} | " + " | ".join(f"{v / c[1]:.2f}" for v in c.values()) + " |",
+        ]
     lines.append("")
     raw = {"batch1": b1, "batch8": b8, "verify_cost_s": costs, "verify_cost_s_by_mode": all_costs}
-    return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n</details>\n"
+    return (
+        "\n".join(lines)
+        + "\n<details><summary>raw</summary>\n\n```json\n"
+        + json.dumps(raw, indent=1)
+        + "\n```\n</details>\n"
+    )

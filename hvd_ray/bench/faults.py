@@ -32,9 +32,17 @@ def model_replica(app: str | None = None):
     raise LookupError("no ModelReplica actor is running")
 
 
-def kill_replica_under_load(base_url: str, api_key: str | None = None, *, concurrency: int = 8, requests: int = 24,
-                            max_tokens: int = 16, prompts=None, app: str | None = None,
-                            timeout_s: float = 600.0) -> KillOutcome:
+def kill_replica_under_load(
+    base_url: str,
+    api_key: str | None = None,
+    *,
+    concurrency: int = 8,
+    requests: int = 24,
+    max_tokens: int = 16,
+    prompts=None,
+    app: str | None = None,
+    timeout_s: float = 600.0,
+) -> KillOutcome:
     """Start ``requests`` requests ``concurrency`` at a time, kill the model replica once the engine
     runs some, time how long until ``/health`` is ok again and until a request sent after the kill
     succeeds, then wait for the clients' requests to end."""
@@ -43,9 +51,25 @@ def kill_replica_under_load(base_url: str, api_key: str | None = None, *, concur
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     out: dict = {}
-    runner = threading.Thread(target=lambda: out.setdefault("res", asyncio.run(run_load(
-        base_url, concurrency=concurrency, requests=requests, max_tokens=max_tokens, disconnect_share=0.0,
-        api_key=api_key, seed=2, timeout_s=timeout_s, prompts=prompts))), daemon=True)
+    runner = threading.Thread(
+        target=lambda: out.setdefault(
+            "res",
+            asyncio.run(
+                run_load(
+                    base_url,
+                    concurrency=concurrency,
+                    requests=requests,
+                    max_tokens=max_tokens,
+                    disconnect_share=0.0,
+                    api_key=api_key,
+                    seed=2,
+                    timeout_s=timeout_s,
+                    prompts=prompts,
+                )
+            ),
+        ),
+        daemon=True,
+    )
     replica = model_replica(app)
     with httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s) as http:
         runner.start()
@@ -67,5 +91,10 @@ def kill_replica_under_load(base_url: str, api_key: str | None = None, *, concur
             time.sleep(0.5)
         recovery = time.monotonic() - t_kill
         runner.join(timeout=timeout_s)
-    return KillOutcome(out.get("res", LoadResult()), runner.is_alive(), healthy if healthy is not None else float("inf"),
-                       recovery, probes)
+    return KillOutcome(
+        out.get("res", LoadResult()),
+        runner.is_alive(),
+        healthy if healthy is not None else float("inf"),
+        recovery,
+        probes,
+    )

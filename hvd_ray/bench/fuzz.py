@@ -24,8 +24,14 @@ def _checked(op, mode: str, n: int, base_url: str, headers: dict, seed, outcomes
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis import GenerationMode
 
-    @settings(max_examples=n, deadline=None, database=None, derandomize=seed is not None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        derandomize=seed is not None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=op.as_strategy(generation_mode=GenerationMode(mode)))
     def run(case):
         resp = case.call(base_url=base_url, headers=headers, timeout=300)
@@ -41,14 +47,20 @@ def _nasty_patches(path: str):
     """One field of a valid body replaced by unusual text or token ids (a hypothesis strategy)."""
     from hypothesis import strategies as st
 
-    char = st.one_of(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),  # lone surrogates
-                     st.characters(min_codepoint=0x80, max_codepoint=0x10FFFF),  # any non-ASCII code point
-                     st.characters())
+    char = st.one_of(
+        st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),  # lone surrogates
+        st.characters(min_codepoint=0x80, max_codepoint=0x10FFFF),  # any non-ASCII code point
+        st.characters(),
+    )
     text = st.text(char, min_size=1, max_size=24)
     stops = st.one_of(text, st.lists(st.one_of(text, st.text(char, min_size=200, max_size=300)), max_size=5))
-    ids = st.lists(st.integers(min_value=-2**40, max_value=2**40), min_size=1, max_size=40)
-    common = [st.fixed_dictionaries({"stop": stops}), st.fixed_dictionaries({"model": text}),
-              st.fixed_dictionaries({"user": text}), st.fixed_dictionaries({"stop_token_ids": ids})]
+    ids = st.lists(st.integers(min_value=-(2**40), max_value=2**40), min_size=1, max_size=40)
+    common = [
+        st.fixed_dictionaries({"stop": stops}),
+        st.fixed_dictionaries({"model": text}),
+        st.fixed_dictionaries({"user": text}),
+        st.fixed_dictionaries({"stop_token_ids": ids}),
+    ]
     if path == "/v1/chat/completions":
         message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text})
         mine = [st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)})]
@@ -65,14 +77,24 @@ def _nasty(op, n: int, base_url: str, headers: dict, seed, outcomes: Counter):
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis import GenerationMode
 
-    @settings(max_examples=n, deadline=None, database=None, derandomize=seed is not None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        derandomize=seed is not None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE), patch=_nasty_patches(op.path))
     def run(case, patch):
         body = {**(case.body if isinstance(case.body, dict) else {}), **patch, "max_tokens": 2, "stream": False}
         body.pop("stream_options", None)
-        resp = httpx.post(f"{base_url}{op.path}", content=json.dumps(body).encode(), timeout=300,
-                          headers={**headers, "Content-Type": "application/json"})
+        resp = httpx.post(
+            f"{base_url}{op.path}",
+            content=json.dumps(body).encode(),
+            timeout=300,
+            headers={**headers, "Content-Type": "application/json"},
+        )
         outcomes[(op.path, "nasty", resp.status_code)] += 1
         assert resp.status_code < 500, (body, resp.text)
         if resp.status_code >= 400:
@@ -81,8 +103,9 @@ def _nasty(op, n: int, base_url: str, headers: dict, seed, outcomes: Counter):
     return run
 
 
-def fuzz(base_url: str, api_key: str | None = None, examples: dict[str, int] | None = None,
-         seed: int | None = 0) -> Counter:
+def fuzz(
+    base_url: str, api_key: str | None = None, examples: dict[str, int] | None = None, seed: int | None = 0
+) -> Counter:
     """Run the fuzz; returns ``{(route, mode, status): count}``. Raises AssertionError (hypothesis'
     falsifying example included) on the first 5xx or malformed 4xx. ``examples``: per mode
     (positive, negative, nasty), the examples for each POST route."""

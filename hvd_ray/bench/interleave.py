@@ -17,6 +17,7 @@ Runner = Callable[[list[int], SamplingParams, "list[int] | None"], "tuple[list[i
 def engine_runner(engine: Engine, oracle=None) -> Runner:
     """A method backed by one of our engines: (output, RequestStats) for one prompt at batch 1.
     ``oracle`` (a ``LiveOracle``): it reads greedy's output for the prompt (``ref``) each run."""
+
     def run(ids: list[int], params: SamplingParams, ref: list[int] | None):
         if oracle is not None:
             if ref is None:
@@ -24,6 +25,7 @@ def engine_runner(engine: Engine, oracle=None) -> Runner:
             oracle.reference = list(ref)
         req = engine.generate([ids], params)[0]
         return req.output, req.stats
+
     return run
 
 
@@ -48,9 +50,23 @@ def prefix_agreement(out: list[int], ref: list[int]) -> float:
 
 def empty_row(stats: bool) -> dict:
     """A (workload, method) accumulator of ``run_interleaved`` (``stats``: the method has engine stats)."""
-    return {"tokens": 0, "time": 0.0, "forwards": 0, "steps": 0, "dec_tokens": 0, "draft_s": 0.0, "cache_steps": 0,
-            "prompt": 0, "cached": 0,
-            "slim_forwards": 0, "decode_s": 0.0, "prefix": 0.0, "identical": 0, "n": 0, "stats": stats}
+    return {
+        "tokens": 0,
+        "time": 0.0,
+        "forwards": 0,
+        "steps": 0,
+        "dec_tokens": 0,
+        "draft_s": 0.0,
+        "cache_steps": 0,
+        "prompt": 0,
+        "cached": 0,
+        "slim_forwards": 0,
+        "decode_s": 0.0,
+        "prefix": 0.0,
+        "identical": 0,
+        "n": 0,
+        "stats": stats,
+    }
 
 
 def run_interleaved(runners: dict[str, Runner], prompts, params: SamplingParams, progress: str = "") -> Runs:

@@ -43,16 +43,24 @@ class LoadResult:
         return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
     def summary(self) -> dict:
-        return {"sent": self.sent, "ok": self.ok, "disconnected": self.disconnected, "rejected": self.rejected,
-                "failed": self.failed, "errors": dict(self.errors), "reject_codes": dict(self.reject_codes),
-                "rejected_p99_s": round(self.percentile(self.rejected_s, 99), 3), "wall_s": round(self.wall_s, 1),
-                "p50_s": round(self.percentile(self.latency_s, 50), 3),
-                "p90_s": round(self.percentile(self.latency_s, 90), 3),
-                "p99_s": round(self.percentile(self.latency_s, 99), 3),
-                "ttft_p50_s": round(self.percentile(self.ttft_s, 50), 3),
-                "ttft_p99_s": round(self.percentile(self.ttft_s, 99), 3),
-                "completion_tokens": self.completion_tokens,
-                "tokens_per_s": round(self.completion_tokens / self.wall_s, 1) if self.wall_s else 0.0}
+        return {
+            "sent": self.sent,
+            "ok": self.ok,
+            "disconnected": self.disconnected,
+            "rejected": self.rejected,
+            "failed": self.failed,
+            "errors": dict(self.errors),
+            "reject_codes": dict(self.reject_codes),
+            "rejected_p99_s": round(self.percentile(self.rejected_s, 99), 3),
+            "wall_s": round(self.wall_s, 1),
+            "p50_s": round(self.percentile(self.latency_s, 50), 3),
+            "p90_s": round(self.percentile(self.latency_s, 90), 3),
+            "p99_s": round(self.percentile(self.latency_s, 99), 3),
+            "ttft_p50_s": round(self.percentile(self.ttft_s, 50), 3),
+            "ttft_p99_s": round(self.percentile(self.ttft_s, 99), 3),
+            "completion_tokens": self.completion_tokens,
+            "tokens_per_s": round(self.completion_tokens / self.wall_s, 1) if self.wall_s else 0.0,
+        }
 
 
 def wait_idle(http, timeout: float = 120.0, poll: float = 0.25) -> dict:
@@ -65,8 +73,9 @@ def wait_idle(http, timeout: float = 120.0, poll: float = 0.25) -> dict:
         time.sleep(poll)
 
 
-def real_prompts(n_per_workload: int = 8, workloads=("code", "chat", "function_calling"),
-                 max_chars: int | None = None) -> list[list[dict]]:
+def real_prompts(
+    n_per_workload: int = 8, workloads=("code", "chat", "function_calling"), max_chars: int | None = None
+) -> list[list[dict]]:
     """Chat messages of real test-split prompts (at most ``max_chars`` of text each, if set),
     interleaved across workloads."""
     from hvd_ray.workloads import load_workload
@@ -82,8 +91,9 @@ def _flatten(messages: list[dict]) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
-async def _one(client, rng: random.Random, prompts: list[list[dict]], max_tokens: int, disconnect_share: float,
-               res: LoadResult) -> None:
+async def _one(
+    client, rng: random.Random, prompts: list[list[dict]], max_tokens: int, disconnect_share: float, res: LoadResult
+) -> None:
     messages = rng.choice(prompts)
     chat = rng.random() < 0.5
     stream = rng.random() < 0.5
@@ -168,10 +178,20 @@ def _shed(r, res: LoadResult, t0: float) -> bool:
     return True
 
 
-async def run_load(base_url: str, *, concurrency: int = 32, duration_s: float | None = None,
-                   requests: int | None = None, max_tokens: int = 32, disconnect_share: float = 0.1,
-                   api_key: str | None = None, prompts: list[list[dict]] | None = None, seed: int = 0,
-                   timeout_s: float = 600.0, progress_every_s: float | None = None) -> LoadResult:
+async def run_load(
+    base_url: str,
+    *,
+    concurrency: int = 32,
+    duration_s: float | None = None,
+    requests: int | None = None,
+    max_tokens: int = 32,
+    disconnect_share: float = 0.1,
+    api_key: str | None = None,
+    prompts: list[list[dict]] | None = None,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+    progress_every_s: float | None = None,
+) -> LoadResult:
     """Drive ``base_url`` until ``duration_s`` has passed or ``requests`` have been sent (whichever
     is set first; at least one must be), ``concurrency`` at a time."""
     import httpx
@@ -195,8 +215,11 @@ async def run_load(base_url: str, *, concurrency: int = 32, duration_s: float | 
     async def progress() -> None:
         while progress_every_s:
             await asyncio.sleep(progress_every_s)
-            print(f"[load] {time.perf_counter() - t0:6.0f} s  sent {res.sent}  ok {res.ok}  "
-                  f"disconnected {res.disconnected}  failed {res.failed}", flush=True)
+            print(
+                f"[load] {time.perf_counter() - t0:6.0f} s  sent {res.sent}  ok {res.ok}  "
+                f"disconnected {res.disconnected}  failed {res.failed}",
+                flush=True,
+            )
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits) as client:
         ticker = asyncio.create_task(progress())

@@ -18,8 +18,10 @@ DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # as r
 def machine_line() -> str:
     import transformers
 
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, threads {torch.get_num_threads()}"
+    )
 
 
 def versions() -> str:
@@ -30,13 +32,20 @@ def versions() -> str:
             return md.version(p)
         except md.PackageNotFoundError:
             return "not installed"
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         commit = "unknown"
-    return (f"python {platform.python_version()}, {platform.system()} {platform.release()}, hvd-ray commit {commit}, "
-            f"ray {v('ray')}, arctic-inference {v('arctic-inference')}, matplotlib {v('matplotlib')}")
+    return (
+        f"python {platform.python_version()}, {platform.system()} {platform.release()}, hvd-ray commit {commit}, "
+        f"ray {v('ray')}, arctic-inference {v('arctic-inference')}, matplotlib {v('matplotlib')}"
+    )
 
 
 def cpu_name() -> str:
@@ -62,8 +71,10 @@ BUSY_LOOP = "import torch; torch.set_num_threads(1); a = torch.randn(768, 768)\n
 def busy_cpu(processes: int):
     """``processes`` other processes keeping the CPU busy for the ``with`` block (``spec
     --busy-startup``: start-up costs timed as a replica started next to busy ones times them)."""
-    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for _ in range(processes)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(processes)
+    ]
     try:
         import time
 

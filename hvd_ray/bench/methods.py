@@ -42,12 +42,14 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
     spec = spec_from_args(args, max_batch=1, max_len=max_len)
     drafters, oracle = None, None
     if base in ("via-lossless", "via-tiered"):
-        spec = replace(spec, drafter=args.model_drafter, slim=slim_mask(args.slim_mask, model.cfg.n_layers),
-                       slim_mode=base[4:])
+        spec = replace(
+            spec, drafter=args.model_drafter, slim=slim_mask(args.slim_mask, model.cfg.n_layers), slim_mode=base[4:]
+        )
     elif base == "oracle":
         cache = SuffixDrafter()
-        drafter = make_drafter(args.model_drafter, model, eagle3_head=args.eagle3_head, slots=spec.slots(),
-                               max_len=max_len)
+        drafter = make_drafter(
+            args.model_drafter, model, eagle3_head=args.eagle3_head, slots=spec.slots(), max_len=max_len
+        )
         drafters, oracle = [cache, drafter], LiveOracle(cache, drafter)
     elif base.startswith("hvd-"):
         spec = replace(spec, drafter="hvd", policy=base[4:])
@@ -61,14 +63,18 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
         def opt(key: str, default: float) -> float:
             return next((float(p[1:]) for p in parts if p[:1] == key), default)
 
-        cfg = SuffixConfig(use_tree_spec="tree" in parts, max_spec_factor=opt("f", SuffixConfig.max_spec_factor),
-                           max_spec_offset=opt("o", SuffixConfig.max_spec_offset),
-                           min_token_prob=opt("p", SuffixConfig.min_token_prob))
+        cfg = SuffixConfig(
+            use_tree_spec="tree" in parts,
+            max_spec_factor=opt("f", SuffixConfig.max_spec_factor),
+            max_spec_offset=opt("o", SuffixConfig.max_spec_offset),
+            min_token_prob=opt("p", SuffixConfig.min_token_prob),
+        )
         spec, drafters = replace(spec, drafter="suffix"), [SuffixDrafter(cfg)]
     elif base.endswith("-tree"):  # tree drafts: a drafter the spec cannot name
         spec = replace(spec, drafter=base[:-5])
-        drafters = [make_drafter(base[:-5], model, eagle3_head=args.eagle3_head, slots=spec.slots(),
-                                 max_len=max_len, tree=True)]
+        drafters = [
+            make_drafter(base[:-5], model, eagle3_head=args.eagle3_head, slots=spec.slots(), max_len=max_len, tree=True)
+        ]
     elif base != "greedy":
         spec = replace(spec, drafter=base)
     startup = False
@@ -82,8 +88,10 @@ def make_method(name: str, model, tok, args, max_len: int) -> tuple[Engine, Live
         elif extra.startswith("predictor=") and base.startswith("hvd-"):
             spec = replace(spec, predictor=extra.split("=", 1)[1])
         else:
-            raise ValueError(f"unknown method suffix {extra!r} in {name!r} ('+slim', '+noreuse', "
-                             "'+predictor=DIR' and '+startup-costs' for hvd-*)")
+            raise ValueError(
+                f"unknown method suffix {extra!r} in {name!r} ('+slim', '+noreuse', "
+                "'+predictor=DIR' and '+startup-costs' for hvd-*)"
+            )
     engine = build_engine(spec, model, tok, drafters=drafters, policy=oracle)
     costs = getattr(engine.policy, "costs", None) if startup else None
     if costs is not None:  # its own copy: the costs are shared by the model's engines

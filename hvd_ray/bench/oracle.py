@@ -24,11 +24,14 @@ class LiveOracle(Policy):
 
     def __call__(self, req, engine) -> Choice:
         budget = engine.draft_budget(req)
-        truth = self.reference[len(req.output):]
+        truth = self.reference[len(req.output) :]
         long_budget = max(budget, engine.draft_budget(req, self.cache))
         cache = self.cache.speculate(req.req_id, long_budget).truncated(long_budget)
-        model = self.model.propose([DraftRequest(req.req_id, req.slot, req.tokens, budget)])[0].truncated(budget) \
-            if self.model is not None and budget > 0 else Draft()
+        model = (
+            self.model.propose([DraftRequest(req.req_id, req.slot, req.tokens, budget)])[0].truncated(budget)
+            if self.model is not None and budget > 0
+            else Draft()
+        )
         y_c, y_m = matched(cache, truth), matched(model, truth)
         if len(cache) and y_c >= y_m:
             return Choice(self.cache, cache, float(y_c))

@@ -54,11 +54,19 @@ class ArcticDrafter(Drafter):
     def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]:
         out = []
         for r in reqs:
-            ctx = np.asarray(r.tokens[-self.depth:], dtype=np.int32)
-            d = self.cache.speculate(r.req_id, ctx, max_spec_tokens=max(r.max_tokens, 0), max_spec_factor=1.0,
-                                     max_spec_offset=0.0, min_token_prob=0.1, use_tree_spec=self.tree)
-            out.append(Draft(list(d.token_ids), list(d.parents), list(d.probs), float(d.score),
-                             int(d.match_len), self.name))
+            ctx = np.asarray(r.tokens[-self.depth :], dtype=np.int32)
+            d = self.cache.speculate(
+                r.req_id,
+                ctx,
+                max_spec_tokens=max(r.max_tokens, 0),
+                max_spec_factor=1.0,
+                max_spec_offset=0.0,
+                min_token_prob=0.1,
+                use_tree_spec=self.tree,
+            )
+            out.append(
+                Draft(list(d.token_ids), list(d.parents), list(d.probs), float(d.score), int(d.match_len), self.name)
+            )
         return out
 
     def end(self, req_id: str) -> None:
@@ -69,17 +77,25 @@ class ArcticDrafter(Drafter):
 def hf_runner(ref_model, tok, prompt_lookup: int | None = None):
     """transformers ``generate`` at batch 1, greedy (or prompt lookup decoding), stopping at EOS
     like our engine. No engine stats: only tokens and time are compared."""
+
     def run(ids, params: SamplingParams, ref):
         x = torch.tensor([ids])
         kw = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
         with torch.no_grad():
-            out = ref_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=params.max_tokens,
-                                     do_sample=False, pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                                     **kw)
-        new = out[0, len(ids):].tolist()
+            out = ref_model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=params.max_tokens,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id,
+                **kw,
+            )
+        new = out[0, len(ids) :].tolist()
         if tok.eos_token_id in new:  # our engine's output includes the EOS token it stopped at
             new = new[: new.index(tok.eos_token_id) + 1]
         return new, None
+
     return run
 
 
@@ -95,7 +111,11 @@ VLLM_METHODS = {
 VLLM_HVD_METHODS = {
     "vllm-hvd": {"method": "custom_class", "model": "hvd_ray.vllm.HvdProposer", "num_speculative_tokens": 32},
     "vllm-hvd-suffix": {"method": "custom_class", "model": "hvd_ray.vllm.SuffixProposer", "num_speculative_tokens": 32},
-    "vllm-hvd-static": {"method": "custom_class", "model": "hvd_ray.vllm.HvdStaticProposer", "num_speculative_tokens": 32},
+    "vllm-hvd-static": {
+        "method": "custom_class",
+        "model": "hvd_ray.vllm.HvdStaticProposer",
+        "num_speculative_tokens": 32,
+    },
 }
 
 
@@ -113,8 +133,13 @@ class VllmRunner:
         if not Path(python).exists():
             raise NotRun(f"--vllm-python {python} does not exist")
         job = {"model": str(resolve("default")), "dtype": dtype, "threads": threads, "spec": spec}
-        self.proc = subprocess.Popen([python, str(PEER), "--serve", json.dumps(job)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=vllm_env(python))
+        self.proc = subprocess.Popen(
+            [python, str(PEER), "--serve", json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=vllm_env(python),
+        )
         # a peer that hangs while loading (e.g. a stuck OpenMP or shared-memory init) must not hang the run
         started, _, _ = select.select([self.proc.stdout], [], [], start_timeout)
         line = self.proc.stdout.readline() if started else ""
@@ -166,8 +191,9 @@ def run_vllm_job(python: str, job: dict, timeout: float = 3600) -> dict:
         json.dump(job, f)
     t0 = time.perf_counter()
     try:
-        res = subprocess.run([python, str(PEER), f.name], capture_output=True, text=True, timeout=timeout,
-                             env=vllm_env(python))
+        res = subprocess.run(
+            [python, str(PEER), f.name], capture_output=True, text=True, timeout=timeout, env=vllm_env(python)
+        )
     finally:
         Path(f.name).unlink(missing_ok=True)
     if res.returncode != 0:

@@ -60,8 +60,13 @@ def accepted_hist(path: Path, steps: dict) -> None:
 def calibration(path: Path, steps: dict) -> bool:
     """Predicted vs realised accepted length of the cache drafts HVD verified (binned); False when
     this run has no predicted steps."""
-    pts = [(p, a) for m, recs in steps.items() if m.startswith("hvd")
-           for src, a, p in recs if p is not None and src.startswith("suffix")]
+    pts = [
+        (p, a)
+        for m, recs in steps.items()
+        if m.startswith("hvd")
+        for src, a, p in recs
+        if p is not None and src.startswith("suffix")
+    ]
     if not pts:
         return False
     p, a = np.array(pts, dtype=float).T

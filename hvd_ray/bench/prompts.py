@@ -13,8 +13,14 @@ from ..workloads.agent import agent_prompts
 BUILT = {"agent": agent_prompts}
 
 
-def prompt_ids(tok, workloads, per_workload: int, max_prompt_tokens: int, split: str | None = "test",
-               extra: Sequence[tuple[str, list]] = ()) -> list[tuple[str, str, list[int]]]:
+def prompt_ids(
+    tok,
+    workloads,
+    per_workload: int,
+    max_prompt_tokens: int,
+    split: str | None = "test",
+    extra: Sequence[tuple[str, list]] = (),
+) -> list[tuple[str, str, list[int]]]:
     """(workload, prompt id, token ids) for held-out prompts, skipping ones longer than the budget;
     a workload may also be one of ``BUILT`` (``agent``: tool schemas shared by every prompt).
     ``extra``: more (label, prompts) workloads, e.g. ``user_workloads``' user prompt files."""
@@ -44,7 +50,9 @@ def user_workloads(files: Sequence[str], split: str | None, taken: Sequence[str]
     for f, label in zip(files, labels):
         own = [p for p in load_user_prompts(f) if split is None or p.split == split]
         if not own:
-            raise ValueError(f"{f} has no {split}-split prompts (ids hash into train/validation/test); "
-                             "pass --split all to use every prompt in it")
+            raise ValueError(
+                f"{f} has no {split}-split prompts (ids hash into train/validation/test); "
+                "pass --split all to use every prompt in it"
+            )
         out.append((label, own))
     return out

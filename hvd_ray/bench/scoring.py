@@ -59,8 +59,14 @@ def extract_code(completion: str, prompt: str, entry_point: str) -> str:
 
 
 def _limits(timeout: float) -> dict[str, int]:
-    return {"RLIMIT_AS": ADDRESS_SPACE, "RLIMIT_CPU": max(1, math.ceil(timeout)), "RLIMIT_FSIZE": FILE_SIZE,
-            "RLIMIT_NOFILE": OPEN_FILES, "RLIMIT_NPROC": PROCESSES, "RLIMIT_CORE": 0}
+    return {
+        "RLIMIT_AS": ADDRESS_SPACE,
+        "RLIMIT_CPU": max(1, math.ceil(timeout)),
+        "RLIMIT_FSIZE": FILE_SIZE,
+        "RLIMIT_NOFILE": OPEN_FILES,
+        "RLIMIT_NPROC": PROCESSES,
+        "RLIMIT_CORE": 0,
+    }
 
 
 def _set_limits(limits: dict[str, int]):
@@ -69,6 +75,7 @@ def _set_limits(limits: dict[str, int]):
     def apply() -> None:  # runs in the forked child before exec: no imports or allocation-heavy work here
         for r, v in pairs:
             resource.setrlimit(r, (v, v))
+
     return apply
 
 
@@ -86,7 +93,7 @@ def _has_token(path: Path, token: bytes) -> bool:
         while left > 0 and (chunk := f.read(min(1 << 20, left))):
             if token in tail + chunk:
                 return True
-            tail, left = chunk[-len(token):], left - len(chunk)
+            tail, left = chunk[-len(token) :], left - len(chunk)
     return False
 
 
@@ -94,8 +101,16 @@ def _run(cmd: list[str], cwd: str, timeout: float, stdout) -> tuple[int | None, 
     """(exit status, timed out) of ``cmd`` in its own session under ``_limits``; the whole process
     group is SIGKILLed before the child is reaped, so its id cannot have been reused."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TMPDIR": cwd, "HOME": cwd}
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
-                         stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_set_limits(_limits(timeout)))
+    p = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=_set_limits(_limits(timeout)),
+    )
     deadline, delay, timed_out = time.monotonic() + timeout, 0.001, False
     try:
         while os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
@@ -129,8 +144,7 @@ def _probe(prefix: list[str]) -> bool:
         return False
     with tempfile.TemporaryDirectory(prefix="hvd-score-") as d:
         try:
-            rc, timed_out = _run(prefix + [sys.executable, "-I", "-c", "pass"], d, DEFAULT_TIMEOUT,
-                                 subprocess.DEVNULL)
+            rc, timed_out = _run(prefix + [sys.executable, "-I", "-c", "pass"], d, DEFAULT_TIMEOUT, subprocess.DEVNULL)
         except OSError:
             return False
     return rc == 0 and not timed_out
@@ -152,16 +166,24 @@ def sandbox_info(timeout: float = DEFAULT_TIMEOUT) -> dict:
     namespace on or off, the command prefix, and the resource limits for ``timeout``."""
     pid_ns = "--pid" in SANDBOX
     limits = _limits(timeout)
-    summary = (("network isolated" if NO_NET else "NETWORK NOT ISOLATED (unshare unavailable)")
-               + (f" ({' '.join(SANDBOX)})" if SANDBOX else "")
-               + f", python -I, {timeout:g} s timeout, {ADDRESS_SPACE >> 30} GiB address space, "
-               f"{FILE_SIZE >> 20} MiB per file, {OPEN_FILES} open files, "
-               + (f"{PROCESSES} processes" if os.getuid() != 0 else "process limit not enforced (root)")
-               + ", descendants killed with the process group"
-               + (" and the PID namespace" if pid_ns else ""))
-    return {"network_isolated": NO_NET, "pid_namespace": pid_ns, "command_prefix": list(SANDBOX),
-            "timeout_s": timeout, "limits": limits, "process_limit_enforced": os.getuid() != 0,
-            "summary": summary}
+    summary = (
+        ("network isolated" if NO_NET else "NETWORK NOT ISOLATED (unshare unavailable)")
+        + (f" ({' '.join(SANDBOX)})" if SANDBOX else "")
+        + f", python -I, {timeout:g} s timeout, {ADDRESS_SPACE >> 30} GiB address space, "
+        f"{FILE_SIZE >> 20} MiB per file, {OPEN_FILES} open files, "
+        + (f"{PROCESSES} processes" if os.getuid() != 0 else "process limit not enforced (root)")
+        + ", descendants killed with the process group"
+        + (" and the PID namespace" if pid_ns else "")
+    )
+    return {
+        "network_isolated": NO_NET,
+        "pid_namespace": pid_ns,
+        "command_prefix": list(SANDBOX),
+        "timeout_s": timeout,
+        "limits": limits,
+        "process_limit_enforced": os.getuid() != 0,
+        "summary": summary,
+    }
 
 
 def parse_tool_calls(text: str) -> list[dict] | None:
@@ -170,9 +192,9 @@ def parse_tool_calls(text: str) -> list[dict] | None:
     body = (m.group(1) if m else text).strip()
     candidates = [body]
     if "[" in body and "]" in body:
-        candidates.append(body[body.index("["): body.rindex("]") + 1])
+        candidates.append(body[body.index("[") : body.rindex("]") + 1])
     if "{" in body and "}" in body:
-        candidates.append("[" + body[body.index("{"): body.rindex("}") + 1] + "]")
+        candidates.append("[" + body[body.index("{") : body.rindex("}") + 1] + "]")
     for c in candidates:
         try:
             calls = json.loads(c)
@@ -234,7 +256,7 @@ def bfcl_match(calls: list[dict] | None, truth: list[dict]) -> bool:
         return False
     left = list(calls)
     for gt in truth:
-        (fname, params), = gt.items()
+        ((fname, params),) = gt.items()
         hit = next((c for c in left if c["name"] == fname and _args_ok(c["arguments"], params)), None)
         if hit is None:
             return False

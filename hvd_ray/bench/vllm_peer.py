@@ -61,8 +61,14 @@ def main() -> None:
                 kw["worker_extension_cls"] = "hvd_ray.vllm.HvdWorkerExtension"
             if job.get("inproc"):
                 kw["gpu_memory_utilization"] = 0.3  # (see serve below)
-            llms[name] = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_model_len=8192,
-                             max_num_seqs=group, enforce_eager=True, **kw)
+            llms[name] = LLM(
+                model=job["model"],
+                dtype=job.get("dtype", "bfloat16"),
+                max_model_len=8192,
+                max_num_seqs=group,
+                enforce_eager=True,
+                **kw,
+            )
             if count:
                 llms[name].collective_rpc("hvd_count_forwards")
             res[name] = {"tokens": 0, "time": 0.0, "outputs": [], "per_prompt": []}
@@ -73,15 +79,16 @@ def main() -> None:
     def params(i: int):
         if not sampling:
             return SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
-        return SamplingParams(temperature=sampling["temperature"], seed=sampling.get("seed", 0) + i,
-                              max_tokens=job["max_tokens"])
+        return SamplingParams(
+            temperature=sampling["temperature"], seed=sampling.get("seed", 0) + i, max_tokens=job["max_tokens"]
+        )
 
     def forwards(llm) -> list:
         s = llm.collective_rpc("hvd_stats")[0] if count else {}
         return [s.get("forwards", 0), s.get("prefill_forwards", 0)]
 
     for start in range(0, len(prompts), group):
-        ids_of = prompts[start: start + group]
+        ids_of = prompts[start : start + group]
         sps = [params(start + i) for i in range(len(ids_of))]
         for name, llm in llms.items():
             f0 = forwards(llm)
@@ -94,8 +101,9 @@ def main() -> None:
                 toks = list(o.outputs[0].token_ids)
                 res[name]["tokens"] += len(toks)
                 res[name]["outputs"].append(toks)
-            res[name]["per_prompt"].append([sum(len(o.outputs[0].token_ids) for o in outs), dt]
-                                           + ([f1[0] - f0[0], f1[1] - f0[1]] if count else []))
+            res[name]["per_prompt"].append(
+                [sum(len(o.outputs[0].token_ids) for o in outs), dt] + ([f1[0] - f0[0], f1[1] - f0[1]] if count else [])
+            )
         print("[vllm] prompt done", file=sys.stderr, flush=True)
     if count:
         for name, llm in llms.items():
@@ -132,8 +140,15 @@ def serve(job: dict) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for batch 1
     # on CPU this fraction of the NUMA node's memory must be free at start-up (the tests' Ray and
     # our own engines hold some of it)
-    llm = LLM(model=job["model"], dtype=job.get("dtype", "bfloat16"), max_model_len=8192, max_num_seqs=1,
-              enforce_eager=True, gpu_memory_utilization=0.3, **kw)
+    llm = LLM(
+        model=job["model"],
+        dtype=job.get("dtype", "bfloat16"),
+        max_model_len=8192,
+        max_num_seqs=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        **kw,
+    )
     print(json.dumps({"ready": True, "version": vllm.__version__}), file=answers, flush=True)
     for line in sys.stdin:
         ask = json.loads(line)

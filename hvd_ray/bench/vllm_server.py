@@ -44,13 +44,37 @@ def env(python: str, threads: int | None = None) -> dict:
     return out
 
 
-def command(python: str, model: str, port: int, spec: dict | None = None, dtype: str = "bfloat16",
-            max_model_len: int = 4096, extra: tuple[str, ...] = ()) -> list[str]:
+def command(
+    python: str,
+    model: str,
+    port: int,
+    spec: dict | None = None,
+    dtype: str = "bfloat16",
+    max_model_len: int = 4096,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     """The server's command line; ``spec`` is vLLM's ``--speculative-config`` (None: no speculation).
     Tools are parsed with vLLM's ``hermes`` parser (SmolLM2 and Qwen write Hermes-style calls)."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
-           "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-uvicorn-access-log"]
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--disable-uvicorn-access-log",
+    ]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     return cmd + list(extra)
@@ -60,8 +84,17 @@ class VllmServer:
     """A started server (a context manager): ``url`` once :meth:`wait` returns; :meth:`stop` ends its
     whole process group (the API server, the engine core and its worker)."""
 
-    def __init__(self, python: str, model: str, port: int, spec: dict | None = None, log: str | None = None,
-                 threads: int | None = None, count: bool = False, **kw) -> None:
+    def __init__(
+        self,
+        python: str,
+        model: str,
+        port: int,
+        spec: dict | None = None,
+        log: str | None = None,
+        threads: int | None = None,
+        count: bool = False,
+        **kw,
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = Path(log) if log else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         child = env(python, threads)
@@ -70,8 +103,13 @@ class VllmServer:
             child["VLLM_SERVER_DEV_MODE"] = "1"
         self.count = count
         with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(command(python, model, port, spec, **kw), stdout=f,
-                                         stderr=subprocess.STDOUT, env=child, start_new_session=True)
+            self.proc = subprocess.Popen(
+                command(python, model, port, spec, **kw),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=child,
+                start_new_session=True,
+            )
 
     def wait(self, timeout: float = 600) -> VllmServer:
         """Block until ``/health`` answers 200; raise with the log's tail if the server exits or is late."""
@@ -94,8 +132,11 @@ class VllmServer:
     def rpc(self, method: str) -> list:
         """Call ``method`` on every worker (hvd-ray's worker extension: ``hvd_count_forwards``,
         ``hvd_stats``); needs ``count=True``."""
-        req = urllib.request.Request(self.url + "/collective_rpc", data=json.dumps({"method": method}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + "/collective_rpc",
+            data=json.dumps({"method": method}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             body = r.read()
         return json.loads(body)["results"] if body else []

@@ -6,16 +6,25 @@ cost.py, budget.py and search.py are the offline search (jobs/search_slim.py).
 """
 
 from .mask import (
-                   MaskError,
-                   SlimMask,
-                   as_mask,
-                   describe_mask,
-                   load_mask,
-                   mask_folder,
-                   resolve_mask,
-                   save_mask,
-                   shipped_mask,
+    MaskError,
+    SlimMask,
+    as_mask,
+    describe_mask,
+    load_mask,
+    mask_folder,
+    resolve_mask,
+    save_mask,
+    shipped_mask,
 )
 
-__all__ = ["MaskError", "SlimMask", "as_mask", "describe_mask", "load_mask", "mask_folder", "resolve_mask",
-           "save_mask", "shipped_mask"]
+__all__ = [
+    "MaskError",
+    "SlimMask",
+    "as_mask",
+    "describe_mask",
+    "load_mask",
+    "mask_folder",
+    "resolve_mask",
+    "save_mask",
+    "shipped_mask",
+]

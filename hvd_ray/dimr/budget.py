@@ -105,14 +105,25 @@ class _Bench:
         self.model.cache = self.saved
 
 
-def measure_costs(model, *, batch: int = 1, tokens: int = 8, prefix: int = 512, rounds: int = 7,
-                  reps: int = 5, per_layer: bool = False) -> SubLayerCosts:
+def measure_costs(
+    model,
+    *,
+    batch: int = 1,
+    tokens: int = 8,
+    prefix: int = 512,
+    rounds: int = 7,
+    reps: int = 5,
+    per_layer: bool = False,
+) -> SubLayerCosts:
     """Time the sub-layers of ``model`` on a verify-shaped forward (see the module docstring)."""
     L = model.cfg.n_layers
     everything = [(i, k) for i in range(L) for k in SUBS]
-    configs: dict[str, list[SubLayer]] = {"full": [], "none": everything,
-                                          "no_attn": [(i, "attn") for i in range(L)],
-                                          "no_mlp": [(i, "mlp") for i in range(L)]}
+    configs: dict[str, list[SubLayer]] = {
+        "full": [],
+        "none": everything,
+        "no_attn": [(i, "attn") for i in range(L)],
+        "no_mlp": [(i, "mlp") for i in range(L)],
+    }
     if per_layer:
         configs.update({f"{k}{i}": [(i, k)] for i in range(L) for k in SUBS})
     bench = _Bench(model, batch, tokens, prefix)
@@ -126,15 +137,26 @@ def measure_costs(model, *, batch: int = 1, tokens: int = 8, prefix: int = 512, 
     else:
         attn = [max(t["full"] - t["no_attn"], 1e-9) / L] * L
         mlp = [max(t["full"] - t["no_mlp"], 1e-9) / L] * L
-    setting = {"batch": batch, "tokens": tokens, "prefix": prefix, "rounds": rounds, "reps": reps,
-               "per_layer": per_layer, "dtype": str(model.dtype).removeprefix("torch."),
-               "device": str(model.device), "threads": torch.get_num_threads(),
-               "none_s": t["none"], "no_attn_s": t["no_attn"], "no_mlp_s": t["no_mlp"]}
+    setting = {
+        "batch": batch,
+        "tokens": tokens,
+        "prefix": prefix,
+        "rounds": rounds,
+        "reps": reps,
+        "per_layer": per_layer,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device),
+        "threads": torch.get_num_threads(),
+        "none_s": t["none"],
+        "no_attn_s": t["no_attn"],
+        "no_mlp_s": t["no_mlp"],
+    }
     return SubLayerCosts(attn, mlp, max(t["none"], 0.0), t["full"], setting)
 
 
-def measure_mask(model, mask: SlimMask, *, batch: int = 1, tokens: int = 8, prefix: int = 512,
-                 rounds: int = 7, reps: int = 5) -> dict:
+def measure_mask(
+    model, mask: SlimMask, *, batch: int = 1, tokens: int = 8, prefix: int = 512, rounds: int = 7, reps: int = 5
+) -> dict:
     """Directly measured speed of one mask: forward-time ratio and kept block-time fraction.
 
     ``block_fraction = (t(mask) − t(all blocks skipped)) / (t(full) − t(all blocks skipped))``.
@@ -146,6 +168,10 @@ def measure_mask(model, mask: SlimMask, *, batch: int = 1, tokens: int = 8, pref
         t = bench.interleaved({"full": [], "mask": mask.skipped, "none": everything}, rounds, reps)
     finally:
         bench.close()
-    return {"full_s": t["full"], "mask_s": t["mask"], "none_s": t["none"],
-            "time_ratio": t["mask"] / t["full"],
-            "block_fraction": (t["mask"] - t["none"]) / max(t["full"] - t["none"], 1e-12)}
+    return {
+        "full_s": t["full"],
+        "mask_s": t["mask"],
+        "none_s": t["none"],
+        "time_ratio": t["mask"] / t["full"],
+        "block_fraction": (t["mask"] - t["none"]) / max(t["full"] - t["none"], 1e-12),
+    }

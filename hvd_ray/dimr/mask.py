@@ -137,20 +137,34 @@ class SlimMask:
 
     # ------------------------------------------------------------------------------- json
     def to_json(self) -> dict:
-        return {"format": "hvd_ray.slim_mask", "version": FORMAT_VERSION, "model_id": self.model_id,
-                "model_revision": self.model_revision, "n_layers": self.n_layers,
-                "skip": [[i, k] for i, k in self.skip], "spec": self.spec(), "meta": self.meta}
+        return {
+            "format": "hvd_ray.slim_mask",
+            "version": FORMAT_VERSION,
+            "model_id": self.model_id,
+            "model_revision": self.model_revision,
+            "n_layers": self.n_layers,
+            "skip": [[i, k] for i, k in self.skip],
+            "spec": self.spec(),
+            "meta": self.meta,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> SlimMask:
         if d.get("format") != "hvd_ray.slim_mask":
             raise MaskError("not a slim-mask artifact (format field missing or wrong)")
         if d.get("version") != FORMAT_VERSION:
-            raise MaskError(f"slim-mask format version {d.get('version')!r} is not supported "
-                            f"(this hvd_ray reads version {FORMAT_VERSION})")
+            raise MaskError(
+                f"slim-mask format version {d.get('version')!r} is not supported "
+                f"(this hvd_ray reads version {FORMAT_VERSION})"
+            )
         try:
-            return cls(int(d["n_layers"]), tuple((int(i), str(k)) for i, k in d["skip"]), d.get("model_id"),
-                       d.get("model_revision"), dict(d.get("meta") or {}))
+            return cls(
+                int(d["n_layers"]),
+                tuple((int(i), str(k)) for i, k in d["skip"]),
+                d.get("model_id"),
+                d.get("model_revision"),
+                dict(d.get("meta") or {}),
+            )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, MaskError):
                 raise
@@ -163,8 +177,12 @@ def save_mask(mask: SlimMask, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(mask.to_json(), indent=1, sort_keys=True) + "\n").encode()
     (folder / MASK_FILE).write_bytes(data)
-    pin = {"sha256": hashlib.sha256(data).hexdigest(), "file": MASK_FILE, "model_id": mask.model_id,
-           "n_layers": mask.n_layers}
+    pin = {
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "file": MASK_FILE,
+        "model_id": mask.model_id,
+        "n_layers": mask.n_layers,
+    }
     (folder / CHECKSUM_FILE).write_text(json.dumps(pin, indent=1) + "\n")
     return folder
 
@@ -211,8 +229,9 @@ def load_mask(name_or_path: str | Path, model: Any = None, *, model_revision: st
     if model is not None:
         mask.check(model)
     if model_revision and mask.model_revision and model_revision != mask.model_revision:
-        raise MaskError(f"mask was searched on model revision {mask.model_revision[:12]}…, "
-                        f"this model is {model_revision[:12]}…")
+        raise MaskError(
+            f"mask was searched on model revision {mask.model_revision[:12]}…, this model is {model_revision[:12]}…"
+        )
     return mask
 
 
@@ -274,8 +293,7 @@ def _load_artifact(spec: str) -> list[SubLayer] | None:
     try:
         return list(load_mask(spec).skip)
     except MaskError as e:
-        looks_like_spec = all(p.strip().split(":")[0] in ("attn", "mlp", "layer")
-                              for p in spec.split(",") if p.strip())
+        looks_like_spec = all(p.strip().split(":")[0] in ("attn", "mlp", "layer") for p in spec.split(",") if p.strip())
         if looks_like_spec and not Path(spec).exists():
             return None
         raise ValueError(str(e)) from None

@@ -13,8 +13,17 @@ EAGLE3_MIN_PROB = 0.2
 EAGLE3_CATCH_UP_WINDOW = 256
 
 
-def make_drafter(name: str, model, *, draft_model: str | None = None, eagle3_head: str | None = None,
-                 skip: str | None = None, slots: int = 8, max_len: int = 2048, tree: bool = False) -> Drafter | None:
+def make_drafter(
+    name: str,
+    model,
+    *,
+    draft_model: str | None = None,
+    eagle3_head: str | None = None,
+    skip: str | None = None,
+    slots: int = 8,
+    max_len: int = 2048,
+    tree: bool = False,
+) -> Drafter | None:
     """Build the drafter called ``name`` for the target ``model`` (None for plain decoding)."""
     if name == "none":
         return None
@@ -41,8 +50,15 @@ def make_drafter(name: str, model, *, draft_model: str | None = None, eagle3_hea
         # this head only drafts: its fp32 linears run on prepacked weights too, as the target's
         # (Eagle3Head.load cannot: training loads heads with it and packed copies take no updates)
         pack_linears(head, head.device, head.dtype, fp32=True)
-        return Eagle3Drafter(model, head, tree=tree, slots=slots, max_len=max_len,
-                             min_prob=0.0 if tree else EAGLE3_MIN_PROB, catch_up_window=EAGLE3_CATCH_UP_WINDOW)
+        return Eagle3Drafter(
+            model,
+            head,
+            tree=tree,
+            slots=slots,
+            max_len=max_len,
+            min_prob=0.0 if tree else EAGLE3_MIN_PROB,
+            catch_up_window=EAGLE3_CATCH_UP_WINDOW,
+        )
     raise ValueError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
 
 

@@ -53,9 +53,17 @@ class Draft:
     def truncated(self, n: int) -> Draft:
         """The first ``n`` tokens (a prefix in tree order is still a valid tree)."""
         dists = self.dists[:n] if self.dists is not None else None
-        return Draft(self.token_ids[:n], self.parents[:n], self.probs[:n], self.score,
-                     self.match_len, self.source, dists, self.setup_s,
-                     self.marks[:n] if self.marks is not None else None)
+        return Draft(
+            self.token_ids[:n],
+            self.parents[:n],
+            self.probs[:n],
+            self.score,
+            self.match_len,
+            self.source,
+            dists,
+            self.setup_s,
+            self.marks[:n] if self.marks is not None else None,
+        )
 
     @classmethod
     def union(cls, first: Draft, second: Draft, source: str = "union") -> Draft:
@@ -84,8 +92,9 @@ class Draft:
                     probs[i] = max(probs[i], p)
                     marks[i] = marks[i] or mark
                 where.append(i)
-        return cls(tokens, parents, probs, first.score, first.match_len, source, None,
-                   first.setup_s + second.setup_s, marks)
+        return cls(
+            tokens, parents, probs, first.score, first.match_len, source, None, first.setup_s + second.setup_s, marks
+        )
 
 
 @dataclass

@@ -170,8 +170,10 @@ class Eagle3Drafter(Drafter):
         if width == len(distinct) * Ht:
             parts = taps.split(Ht, dim=-1)
             return torch.cat([parts[distinct.index(t)] for t in self.needs_taps], dim=-1)
-        raise ValueError(f"taps are {width} wide; expected {len(self.needs_taps)} x {Ht} "
-                         f"(the target's layers {self.needs_taps} concatenated in that order)")
+        raise ValueError(
+            f"taps are {width} wide; expected {len(self.needs_taps)} x {Ht} "
+            f"(the target's layers {self.needs_taps} concatenated in that order)"
+        )
 
     def observe_target(self, req_id: str, next_tokens: Sequence[int], taps: Tensor) -> None:
         """Record ``n`` committed positions: ``taps [n, 3*H_target]`` with the tokens that follow
@@ -210,8 +212,11 @@ class Eagle3Drafter(Drafter):
             st.pending_taps = [taps]  # (the backlog as it will run, should a failed propose be retried)
             todo.append((st, st.pending_tokens, taps))
         # (padding writes up to CATCH_UP_BATCH rows past a backlog: only where the cache has room)
-        short = [t for t in todo if len(t[1]) <= CATCH_UP_BATCH
-                 and cache.lengths[t[0].slot] + CATCH_UP_BATCH <= cache.max_len]
+        short = [
+            t
+            for t in todo
+            if len(t[1]) <= CATCH_UP_BATCH and cache.lengths[t[0].slot] + CATCH_UP_BATCH <= cache.max_len
+        ]
         if len(short) < 2:
             short = []
         batched = {id(st) for st, _, _ in short}
@@ -220,12 +225,20 @@ class Eagle3Drafter(Drafter):
             T = max(len(tokens) for _, tokens, _ in group)
             # rows past a backlog are padding: written past its length, never seen, overwritten later
             fused = head.fuse(torch.stack([F.pad(taps, (0, 0, 0, T - len(tokens))) for _, tokens, taps in group]))
-            ids = torch.tensor([tokens + [tokens[-1]] * (T - len(tokens)) for _, tokens, _ in group],
-                               device=head.device)
+            ids = torch.tensor(
+                [tokens + [tokens[-1]] * (T - len(tokens)) for _, tokens, _ in group], device=head.device
+            )
             sts = [st for st, _, _ in group]
             starts = [cache.lengths[st.slot] for st in sts]
-            prenorm, logits = head(ids, fused, [st.slot for st in sts], starts=starts, advance=False,
-                                   floors=[st.floor for st in sts], logits_at=[len(t) - 1 for _, t, _ in group])
+            prenorm, logits = head(
+                ids,
+                fused,
+                [st.slot for st in sts],
+                starts=starts,
+                advance=False,
+                floors=[st.floor for st in sts],
+                logits_at=[len(t) - 1 for _, t, _ in group],
+            )
             for b, (st, tokens, _) in enumerate(group):
                 cache.lengths[st.slot] = starts[b] + len(tokens)
                 st.hidden = prenorm[b, len(tokens) - 1]
@@ -255,7 +268,8 @@ class Eagle3Drafter(Drafter):
                     f"eagle3 head is out of step with request {r.req_id!r}: it observed {n} positions "
                     f"ending in token {st.last_token}, the request has {len(r.tokens) - 1} committed "
                     f"tokens and pending token {r.tokens[-1]} (call observe_target after every target "
-                    "forward with the accepted positions)")
+                    "forward with the accepted positions)"
+                )
             live.append((i, st, n, r.max_tokens))
         if live:
             made = self._tree(live) if self.tree else self._chain(live)
@@ -285,9 +299,13 @@ class Eagle3Drafter(Drafter):
                 break
             sel = torch.tensor(rows, device=head.device)
             prenorm, logits = head(
-                head.to_target_ids(toks[-1][sel])[:, None], hidden[sel][:, None],
-                [live[b][1].slot for b in rows], starts=[live[b][2] + s - 1 for b in rows], advance=False,
-                floors=[live[b][1].floor for b in rows])
+                head.to_target_ids(toks[-1][sel])[:, None],
+                hidden[sel][:, None],
+                [live[b][1].slot for b in rows],
+                starts=[live[b][2] + s - 1 for b in rows],
+                advance=False,
+                floors=[live[b][1].floor for b in rows],
+            )
             step_lp, step_tok = torch.log_softmax(logits[:, 0].float(), -1).max(dim=-1)
             hidden = hidden.clone()
             hidden[sel] = prenorm[:, 0]
@@ -335,9 +353,15 @@ class Eagle3Drafter(Drafter):
             cols = (committed[:, None] + torch.arange(lvl * k, device=dev))[:, None, :].expand(B, k, lvl * k)
             mask.scatter_(2, cols, anc[:, :, : lvl * k])
             prenorm, logits = head(
-                head.to_target_ids(f_tok), f_hidden, slots, starts=(committed + base).tolist(),
-                positions=(committed + lvl - 1)[:, None].expand(B, k), attn_mask=mask, advance=False,
-                floors=[st.floor for _, st, _, _ in live])
+                head.to_target_ids(f_tok),
+                f_hidden,
+                slots,
+                starts=(committed + base).tolist(),
+                positions=(committed + lvl - 1)[:, None].expand(B, k),
+                attn_mask=mask,
+                advance=False,
+                floors=[st.floor for _, st, _, _ in live],
+            )
             c_lp, c_tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k, k]
             c_score = f_score[:, :, None] + c_lp
             pool_tok.append(c_tok.reshape(B, k * k))
@@ -361,8 +385,10 @@ class Eagle3Drafter(Drafter):
         depth = torch.cat(pool_depth, 1).tolist()
         out = []
         for b in range(B):
-            order = sorted((i for i in range(len(tok[b])) if depth[b][i] <= depths_b[b]),
-                           key=lambda i: (-score[b][i], depth[b][i], i))
+            order = sorted(
+                (i for i in range(len(tok[b])) if depth[b][i] <= depths_b[b]),
+                key=lambda i: (-score[b][i], depth[b][i], i),
+            )
             nodes: list[int] = []  # best-first, so every prefix is the best tree of its size
             where: dict[int, int] = {}
             for i in order:
@@ -371,13 +397,15 @@ class Eagle3Drafter(Drafter):
                 if parent[b][i] == -1 or parent[b][i] in where:
                     where[i] = len(nodes)
                     nodes.append(i)
-            out.append(Draft(
-                token_ids=[tok[b][i] for i in nodes],
-                parents=[-1 if parent[b][i] == -1 else where[parent[b][i]] for i in nodes],
-                probs=[math.exp(lp[b][i]) for i in nodes],
-                score=sum(math.exp(score[b][i]) for i in nodes),
-                source=self.name,
-            ))
+            out.append(
+                Draft(
+                    token_ids=[tok[b][i] for i in nodes],
+                    parents=[-1 if parent[b][i] == -1 else where[parent[b][i]] for i in nodes],
+                    probs=[math.exp(lp[b][i]) for i in nodes],
+                    score=sum(math.exp(score[b][i]) for i in nodes),
+                    source=self.name,
+                )
+            )
         return out
 
     # -------------------------------------------------------------------------------- utilities
@@ -395,12 +423,22 @@ class Eagle3Drafter(Drafter):
         for s, t in enumerate(tokens):
             if not bool(head.t2d[t]):
                 return probs + [0.0] * (len(tokens) - s)
-            d = int(torch.searchsorted(torch.arange(head.cfg.draft_vocab_size, device=head.device)
-                                       + head.d2t, torch.tensor(t, device=head.device)))
+            d = int(
+                torch.searchsorted(
+                    torch.arange(head.cfg.draft_vocab_size, device=head.device) + head.d2t,
+                    torch.tensor(t, device=head.device),
+                )
+            )
             probs.append(math.exp(float(logp[d])))
             if s + 1 < len(tokens):
-                prenorm, logits = head(torch.tensor([[t]], device=head.device), hidden[None, None],
-                                       [st.slot], starts=[n + s], advance=False, floors=[st.floor])
+                prenorm, logits = head(
+                    torch.tensor([[t]], device=head.device),
+                    hidden[None, None],
+                    [st.slot],
+                    starts=[n + s],
+                    advance=False,
+                    floors=[st.floor],
+                )
                 hidden, logp = prenorm[0, 0], torch.log_softmax(logits[0, 0].float(), -1)
         return probs
 

@@ -39,11 +39,11 @@ def parse_skip(spec: str) -> list[SubLayer]:
 
 
 class LayerSkipDrafter(ModelDrafter):
-    def __init__(self, target: Transformer, skip: Iterable[SubLayer] | None = None, *, depth: int = 4,
-                 min_prob: float = 0.3):
+    def __init__(
+        self, target: Transformer, skip: Iterable[SubLayer] | None = None, *, depth: int = 4, min_prob: float = 0.3
+    ):
         skip = list(skip) if skip is not None else default_skip(target.cfg.n_layers)
         bad = [s for s in skip if not 0 <= s[0] < target.cfg.n_layers or s[1] not in ("attn", "mlp")]
         if bad:
             raise ValueError(f"invalid sub-layers to skip: {bad}")
-        super().__init__(target, skip=skip, shares_target_cache=True, name="layerskip", depth=depth,
-                         min_prob=min_prob)
+        super().__init__(target, skip=skip, shares_target_cache=True, name="layerskip", depth=depth, min_prob=min_prob)

@@ -26,9 +26,18 @@ class ModelDrafter(Drafter):
     which the kept layers read. Otherwise ``model`` has its own cache with the same slot numbers.
     """
 
-    def __init__(self, model: Transformer, *, skip: Iterable[SubLayer] = (), shares_target_cache: bool = False,
-                 name: str = "draft-model", max_len: int | None = None, slots: int | None = None,
-                 depth: int = 5, min_prob: float = 0.0):
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        skip: Iterable[SubLayer] = (),
+        shares_target_cache: bool = False,
+        name: str = "draft-model",
+        max_len: int | None = None,
+        slots: int | None = None,
+        depth: int = 5,
+        min_prob: float = 0.0,
+    ):
         self.model = model
         self.depth = depth  # each draft token costs one drafter forward: keep chains short
         self.min_prob = min_prob  # stop a chain at the first token the drafter is this unsure of
@@ -53,13 +62,18 @@ class ModelDrafter(Drafter):
         cache, dev = self.model.cache, self.model.device
         slots = [r.slot for r in live]
         restore = [cache.lengths[s] if self.shared else len(r.tokens) for s, r in zip(slots, live)]
-        feed = [r.tokens[cache.lengths[s]:] for s, r in zip(slots, live)]
+        feed = [r.tokens[cache.lengths[s] :] for s, r in zip(slots, live)]
         if self.shared:
             assert all(len(f) == 1 for f in feed), "the target cache must hold all but the pending token"
         width = max(map(len, feed))
         toks = torch.tensor([f + [0] * (width - len(f)) for f in feed], device=dev)
-        logits = self.model(toks, slots, n_new=[len(f) for f in feed], skip=self.skip,
-                            logit_rows=torch.tensor([len(f) - 1 for f in feed], device=dev)).logits[:, -1]
+        logits = self.model(
+            toks,
+            slots,
+            n_new=[len(f) for f in feed],
+            skip=self.skip,
+            logit_rows=torch.tensor([len(f) - 1 for f in feed], device=dev),
+        ).logits[:, -1]
         want = [min(r.max_tokens, self.depth) for r in live]
         out: list[list[int]] = [[] for _ in live]
         probs: list[list[float]] = [[] for _ in live]

@@ -37,16 +37,15 @@ class _Node:
 
     __slots__ = ("count", "token", "length", "ref", "ref_idx", "parent", "children", "best")
 
-    def __init__(self, count: int, token: int, length: int, ref: list, ref_idx: int,
-                 parent: _Node | None) -> None:
+    def __init__(self, count: int, token: int, length: int, ref: list, ref_idx: int, parent: _Node | None) -> None:
         self.count = count
-        self.token = token          # first token (the key in the parent's children)
+        self.token = token  # first token (the key in the parent's children)
         self.length = length
-        self.ref = ref              # list holding the tokens (a sequence, or a private copy)
+        self.ref = ref  # list holding the tokens (a sequence, or a private copy)
         self.ref_idx = ref_idx
         self.parent = parent
-        self.children: dict[int, _Node] | None = None   # None for leaves: saves a dict per leaf
-        self.best: _Node | None = None                  # most frequent child (not for root)
+        self.children: dict[int, _Node] | None = None  # None for leaves: saves a dict per leaf
+        self.best: _Node | None = None  # most frequent child (not for root)
 
 
 def _best_child(children: dict[int, _Node] | None) -> _Node | None:
@@ -58,8 +57,7 @@ def _best_child(children: dict[int, _Node] | None) -> _Node | None:
 def _bump_best(node: _Node, child: _Node) -> None:
     """``child``'s count just grew (or it is new): make it ``node.best`` if it now wins."""
     b = node.best
-    if b is None or (b is not child and (child.count > b.count or
-                                         (child.count == b.count and child.token < b.token))):
+    if b is None or (b is not child and (child.count > b.count or (child.count == b.count and child.token < b.token))):
         node.best = child
 
 
@@ -114,7 +112,7 @@ class SuffixTree:
         active.append(root)
         root.count += 1
         if len(active) > self.max_depth:
-            del active[0]          # that suffix reached max_depth: it stops growing
+            del active[0]  # that suffix reached max_depth: it stops growing
         seq.append(token)
         n = len(seq)
         for i in range(len(active)):
@@ -122,7 +120,7 @@ class SuffixTree:
             if node.count == 1 and node is not root:
                 # 1a: only this suffix goes through the node, so it is a leaf: grow it in place.
                 node.length += 1
-                if node.ref is not seq:   # only after a removal left it on another's tokens
+                if node.ref is not seq:  # only after a removal left it on another's tokens
                     node.ref = seq
                     node.ref_idx = n - node.length
                 continue
@@ -212,8 +210,8 @@ class SuffixTree:
                 child.count -= 1
                 if node is not root and node.best is child:
                     node.best = _best_child(ch)
-                if child.ref is seq:   # keep only the node's own tokens, not the whole sequence
-                    child.ref = seq[child.ref_idx:child.ref_idx + child.length]
+                if child.ref is seq:  # keep only the node's own tokens, not the whole sequence
+                    child.ref = seq[child.ref_idx : child.ref_idx + child.length]
                     child.ref_idx = 0
                 i += child.length
                 node = child
@@ -222,8 +220,9 @@ class SuffixTree:
             if node is not root and ch is not None and len(ch) == 1:
                 (c,) = ch.values()
                 if c.count == node.count:
-                    c.ref = (node.ref[node.ref_idx:node.ref_idx + node.length]
-                             + c.ref[c.ref_idx:c.ref_idx + c.length])
+                    c.ref = (
+                        node.ref[node.ref_idx : node.ref_idx + node.length] + c.ref[c.ref_idx : c.ref_idx + c.length]
+                    )
                     c.ref_idx = 0
                     c.token = node.token
                     c.length += node.length
@@ -251,7 +250,7 @@ class SuffixTree:
                 continue
             k = min(L, end - i)
             r = child.ref_idx
-            if child.ref[r + 1:r + k] != ctx[i + 1:i + k]:
+            if child.ref[r + 1 : r + k] != ctx[i + 1 : i + k]:
                 return None
             i += k
             idx = k
@@ -269,7 +268,7 @@ class SuffixTree:
         """Length of the longest suffix of ``context`` (<= max_depth) that occurs in the tree."""
         context = list(context)
         lo, hi = 0, min(len(context), self.max_depth)
-        while lo < hi:   # occurrence is monotone: a suffix of an occurring pattern occurs
+        while lo < hi:  # occurrence is monotone: a suffix of an occurring pattern occurs
             mid = (lo + hi + 1) // 2
             if self._walk(context, len(context) - mid, len(context)) is not None:
                 lo = mid
@@ -294,7 +293,7 @@ class SuffixTree:
         stack = [(c, ()) for c in (self._root.children or {}).values()]
         while stack:
             node, prefix = stack.pop()
-            toks = node.ref[node.ref_idx:node.ref_idx + node.length]
+            toks = node.ref[node.ref_idx : node.ref_idx + node.length]
             for j in range(1, node.length + 1):
                 out[prefix + tuple(toks[:j])] = node.count
             prefix = prefix + tuple(toks)
@@ -320,13 +319,18 @@ class SuffixTree:
             stack.extend(ch.values())
 
     # ------------------------------------------------------------------ drafting
-    def speculate(self, context: Sequence[int], max_spec_tokens: int = 64,
-                  max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
-                  min_token_prob: float = 0.1, use_tree_spec: bool = False) -> Draft:
+    def speculate(
+        self,
+        context: Sequence[int],
+        max_spec_tokens: int = 64,
+        max_spec_factor: float = 1.0,
+        max_spec_offset: float = 0.0,
+        min_token_prob: float = 0.1,
+        use_tree_spec: bool = False,
+    ) -> Draft:
         """Best draft over all match lengths of ``context``'s suffixes (walked from the root)."""
         ctx = context if isinstance(context, list) else list(context)
-        p = _Params(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob,
-                    use_tree_spec)
+        p = _Params(max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec)
         hit = _search(self, ctx, None, p, 0.0)
         return _materialize(hit, p, "suffix")
 
@@ -341,15 +345,14 @@ class SuffixConfig:
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
     use_tree_spec: bool = False
-    max_cached_requests: int = 10000   # global tree size in requests; 0 disables it, < 0 unbounded
-    global_live: bool = True           # add active outputs to the global tree as they grow
+    max_cached_requests: int = 10000  # global tree size in requests; 0 disables it, < 0 unbounded
+    global_live: bool = True  # add active outputs to the global tree as they grow
 
 
 class _Params:
     __slots__ = ("max_spec_tokens", "factor", "offset", "min_prob", "tree")
 
-    def __init__(self, max_spec_tokens: int, factor: float, offset: float, min_prob: float,
-                 tree: bool) -> None:
+    def __init__(self, max_spec_tokens: int, factor: float, offset: float, min_prob: float, tree: bool) -> None:
         if factor < 0:
             raise ValueError("max_spec_factor must be >= 0")
         self.max_spec_tokens = int(max_spec_tokens)
@@ -363,8 +366,7 @@ class _Params:
 _Hit = tuple
 
 
-def _search(tree: SuffixTree, ctx: list[int], active: list[_Node] | None, p: _Params,
-            best: float) -> _Hit | None:
+def _search(tree: SuffixTree, ctx: list[int], active: list[_Node] | None, p: _Params, best: float) -> _Hit | None:
     """Best draft from ``tree`` whose score beats ``best`` (strictly), longest match first.
 
     ``active``, if given, are the active nodes of a sequence whose last tokens are ``ctx``'s last
@@ -373,7 +375,7 @@ def _search(tree: SuffixTree, ctx: list[int], active: list[_Node] | None, p: _Pa
     """
     n_ctx = len(ctx)
     max_depth = tree.max_depth
-    hi = min(n_ctx, max_depth - 1)           # a match at max_depth leaves no room to draft
+    hi = min(n_ctx, max_depth - 1)  # a match at max_depth leaves no room to draft
     if hi <= 0 or tree._root.count == 0:
         return None
     k = min(len(active), hi) if active else 0
@@ -417,8 +419,8 @@ def _search(tree: SuffixTree, ctx: list[int], active: list[_Node] | None, p: _Pa
         if a > cap:
             a = cap
         if a <= best:
-            break                             # a(m) only shrinks with m: nothing shorter can win
-        room = max_depth - m if chain else a   # a chain is at most as long as the depth left
+            break  # a(m) only shrinks with m: nothing shorter can win
+        room = max_depth - m if chain else a  # a chain is at most as long as the depth left
         u = a if a < room else room
         if u <= best:
             continue
@@ -526,7 +528,7 @@ def _materialize(hit: _Hit | None, p: _Params, source: str) -> Draft:
     if rem > 0:
         take = rem if rem < u else u
         r = node.ref_idx + idx
-        tokens.extend(node.ref[r:r + take])
+        tokens.extend(node.ref[r : r + take])
         probs.extend([1.0] * take)
     while len(tokens) < u:
         b = node.best if node.children is not None else None
@@ -536,7 +538,7 @@ def _materialize(hit: _Hit | None, p: _Params, source: str) -> Draft:
         if pr < min_prob:
             break
         take = min(b.length, u - len(tokens))
-        tokens.extend(b.ref[b.ref_idx:b.ref_idx + take])
+        tokens.extend(b.ref[b.ref_idx : b.ref_idx + take])
         probs.extend([pr] * take)
         node = b
     return Draft(tokens, list(range(-1, len(tokens) - 1)), probs, score, m, source)
@@ -546,16 +548,17 @@ class SuffixDrafter(Drafter):
     """Parameter-free cache drafter: per-request tree + bounded global tree of past outputs."""
 
     name = "suffix"
-    adaptive_length = True   # sizes its drafts by its match (the engine's cache budget)
+    adaptive_length = True  # sizes its drafts by its match (the engine's cache budget)
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = c = config or SuffixConfig()
-        self._params = _Params(c.max_spec_tokens, c.max_spec_factor, c.max_spec_offset,
-                               c.min_token_prob, c.use_tree_spec)
+        self._params = _Params(
+            c.max_spec_tokens, c.max_spec_factor, c.max_spec_offset, c.min_token_prob, c.use_tree_spec
+        )
         self.global_tree = SuffixTree(c.max_depth)
         self._req: dict[Hashable, SuffixTree] = {}
-        self._pending: dict[Hashable, list[int]] = {}   # outputs held back when not global_live
-        self._cached: dict[Hashable, None] = {}          # ids in the global tree, oldest first
+        self._pending: dict[Hashable, list[int]] = {}  # outputs held back when not global_live
+        self._cached: dict[Hashable, None] = {}  # ids in the global tree, oldest first
 
     # ----------------------------------------------------------- request lifecycle
     def begin(self, req_id: Hashable, prompt: Sequence[int], slot: int | None = None) -> None:
@@ -574,7 +577,7 @@ class SuffixDrafter(Drafter):
         self._req[req_id].extend(0, tokens)
         if not self.config.global_live:
             self._pending[req_id].extend(tokens)
-        elif req_id in self._cached:   # (it may have been evicted while live)
+        elif req_id in self._cached:  # (it may have been evicted while live)
             self.global_tree.extend(req_id, tokens)
 
     def end(self, req_id: Hashable) -> None:
@@ -628,12 +631,15 @@ class SuffixDrafter(Drafter):
         """The best draft for ``req_id`` from its own tree or the global one; ``offset`` overrides the
         config's ``max_spec_offset`` for this draft (HVD's cache arm drafts as plain suffix decoding)."""
         p = self._params
-        if (max_tokens is not None and max_tokens < p.max_spec_tokens) or (
-                offset is not None and offset != p.offset):
+        if (max_tokens is not None and max_tokens < p.max_spec_tokens) or (offset is not None and offset != p.offset):
             c = self.config
-            p = _Params(min(max_tokens, p.max_spec_tokens) if max_tokens is not None else p.max_spec_tokens,
-                        c.max_spec_factor, c.max_spec_offset if offset is None else offset, c.min_token_prob,
-                        c.use_tree_spec)
+            p = _Params(
+                min(max_tokens, p.max_spec_tokens) if max_tokens is not None else p.max_spec_tokens,
+                c.max_spec_factor,
+                c.max_spec_offset if offset is None else offset,
+                c.min_token_prob,
+                c.use_tree_spec,
+            )
         t = self._req[req_id]
         ctx = t._seqs.get(0)
         if not ctx or p.max_spec_tokens <= 0:
@@ -641,8 +647,13 @@ class SuffixDrafter(Drafter):
         hit = _search(t, ctx, t._active[0], p, 0.0)
         g = self.global_tree
         if self._cached:
-            ghit = _search(g, ctx, g._active.get(req_id) if self.config.global_live else None, p,
-                           hit[0] if hit is not None else 0.0)
+            ghit = _search(
+                g,
+                ctx,
+                g._active.get(req_id) if self.config.global_live else None,
+                p,
+                hit[0] if hit is not None else 0.0,
+            )
             if ghit is not None:
                 return _materialize(ghit, p, "suffix-global")
         return _materialize(hit, p, "suffix-request")

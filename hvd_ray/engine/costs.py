@@ -162,7 +162,7 @@ class StepCosts:
 # (variance of the tables' relative cost; bf16 here: 2-token 1.03, 17-token 1.32, 33-token 1.7);
 # the scale stays within a factor 10 of the start-up tables (a busy start-up here: ~0.17)
 WIDTH_FIT_MIN_WEIGHT = 16.0
-WIDTH_FIT_MIN_VAR = 0.1 ** 2
+WIDTH_FIT_MIN_VAR = 0.1**2
 WIDTH_SCALE_MIN, WIDTH_SCALE_MAX = 0.1, 10.0
 
 
@@ -247,12 +247,21 @@ class SpeculationCheck:
     policy's choices, and a policy step taken on noise cost more than its share;
     docs/results-http.md)."""
 
-    def __init__(self, explore_plain: int = 64, explore_drafts: int = 16, adapt: float = 0.03, min_steps: int = 3,
-                 margin: float = 0.1, switch: float = 0.15, arms: Sequence[str] = ARMS,
-                 outlier: float = 3.0):
+    def __init__(
+        self,
+        explore_plain: int = 64,
+        explore_drafts: int = 16,
+        adapt: float = 0.03,
+        min_steps: int = 3,
+        margin: float = 0.1,
+        switch: float = 0.15,
+        arms: Sequence[str] = ARMS,
+        outlier: float = 3.0,
+    ):
         if not arms or arms[0] == PLAIN or len(set(arms)) != len(arms) or not set(arms) <= {POLICY, CACHE, PLAIN}:
-            raise ValueError(f"arms: distinct ones of {POLICY!r}, {CACHE!r}, {PLAIN!r}, a drafted one first; "
-                             f"got {list(arms)}")
+            raise ValueError(
+                f"arms: distinct ones of {POLICY!r}, {CACHE!r}, {PLAIN!r}, a drafted one first; got {list(arms)}"
+            )
         self.explore_plain, self.explore_drafts = explore_plain, explore_drafts
         self.adapt, self.min_steps, self.margin, self.switch, self.outlier = adapt, min_steps, margin, switch, outlier
         self.names = tuple(arms)
@@ -400,5 +409,16 @@ def monotone(raw: dict[int, float]) -> dict[int, float]:
     return {k: float(v) for k, v in zip(ks, fitted)}
 
 
-__all__ = ["ARMS", "CACHE", "PLAIN", "POLICY", "SpeculationCheck", "StepCosts", "batch_lengths", "WIDTHS", "interpolate",
-           "measure_step_costs", "monotone"]
+__all__ = [
+    "ARMS",
+    "CACHE",
+    "PLAIN",
+    "POLICY",
+    "SpeculationCheck",
+    "StepCosts",
+    "batch_lengths",
+    "WIDTHS",
+    "interpolate",
+    "measure_step_costs",
+    "monotone",
+]

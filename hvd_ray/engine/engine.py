@@ -41,6 +41,7 @@ from .request import Request, SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class Choice:
     """A policy's decision for one request and step: which source drafts, optionally the draft
@@ -98,16 +99,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return lo
 
 
-def check_fits(prompt: Sequence[int], params: SamplingParams, num_draft_tokens: int, max_len: int,
-               vocab_size: int | None = None) -> list[int]:
+def check_fits(
+    prompt: Sequence[int], params: SamplingParams, num_draft_tokens: int, max_len: int, vocab_size: int | None = None
+) -> list[int]:
     """The prompt as a list of ints; rejects one that is not token ids (in ``[0, vocab_size)``), is
     empty, or could outgrow its KV slot (prompt + output + one draft). A bad id would otherwise fail
     the batch's shared forward, and with it every request in the batch."""
     try:
         prompt = [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d integer tensors
     except TypeError:
-        raise ValueError("the prompt must be a sequence of token ids (ints), e.g. a tokenizer's "
-                         "input_ids, not a tokenizer's output or text") from None
+        raise ValueError(
+            "the prompt must be a sequence of token ids (ints), e.g. a tokenizer's "
+            "input_ids, not a tokenizer's output or text"
+        ) from None
     if not prompt:
         raise ValueError("the prompt is empty")
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
@@ -115,7 +119,8 @@ def check_fits(prompt: Sequence[int], params: SamplingParams, num_draft_tokens: 
     if len(prompt) + params.max_tokens + num_draft_tokens + 1 > max_len:
         raise ValueError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-            f"context this engine was set up for ({max_len} tokens)")
+            f"context this engine was set up for ({max_len} tokens)"
+        )
     return prompt
 
 
@@ -149,8 +154,11 @@ class Engine:
         self.num_draft_tokens = num_draft_tokens
         # cache drafters (``adaptive_length``) size their own drafts by their match, up to 64 tokens as
         # in SuffixDecoding; a model drafter's draft costs per token, so it keeps the smaller budget
-        self.cache_draft_tokens = (max(num_draft_tokens, 64) if cache_draft_tokens is None else cache_draft_tokens) \
-            if num_draft_tokens > 0 else 0
+        self.cache_draft_tokens = (
+            (max(num_draft_tokens, 64) if cache_draft_tokens is None else cache_draft_tokens)
+            if num_draft_tokens > 0
+            else 0
+        )
         self.decoding_batch = 1  # requests in the current decode step (policies size drafts by it)
         # under a cost policy a batch drafts the way that measures fastest at its size: the policy's
         # choices, the cache drafter's drafts alone, or none (costs.SpeculationCheck)
@@ -181,8 +189,9 @@ class Engine:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------ requests
-    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                    req_id: str | None = None) -> Request:
+    def add_request(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
+    ) -> Request:
         params = params or SamplingParams()
         prompt = check_fits(prompt, params, self.num_draft_tokens, self.max_len, self.model.cfg.vocab_size)
         req = Request(req_id or f"req-{next(self._ids)}", prompt, params)
@@ -300,7 +309,7 @@ class Engine:
                 req.stats.prefill_s = time.perf_counter() - t0
                 req.stats.target_forwards += 1
                 if self.taps:
-                    self._observe(req, req.prompt[c + 1:] + [first], out.taps, 0, slice(0, len(req.prompt) - c))
+                    self._observe(req, req.prompt[c + 1 :] + [first], out.taps, 0, slice(0, len(req.prompt) - c))
                 results.append(self._emit(req, [first]))
             except Exception as e:  # noqa: BLE001
                 self._fail(req, e, "sampling the first token")
@@ -321,8 +330,9 @@ class Engine:
         cut to this): ``cache_draft_tokens`` for a drafter with ``adaptive_length``, else
         ``num_draft_tokens``, within what the request and its KV slot have room for."""
         cap = self.cache_draft_tokens if drafter is not None and drafter.adaptive_length else self.num_draft_tokens
-        return max(0, min(cap, r.params.max_tokens - len(r.output) - 1,
-                          self.max_len - self.model.cache.lengths[r.slot] - 1))
+        return max(
+            0, min(cap, r.params.max_tokens - len(r.output) - 1, self.max_len - self.model.cache.lengths[r.slot] - 1)
+        )
 
     def _drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[float | None], list[bool]]:
         """Each request's draft for this step, from the source its policy chose (with the predicted
@@ -350,8 +360,11 @@ class Engine:
         for r in reqs:
             t0 = time.perf_counter()
             try:  # the cache arm: the cache drafter's own draft, as it decodes alone
-                choices.append(self.policy.cache_choice(r, self) if self._arm == CACHE
-                               else as_choice(self.policy(r, self) if self.policy else default))
+                choices.append(
+                    self.policy.cache_choice(r, self)
+                    if self._arm == CACHE
+                    else as_choice(self.policy(r, self) if self.policy else default)
+                )
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, "draft selection")
                 choices.append(Choice(None))
@@ -361,13 +374,22 @@ class Engine:
         caps, costs = None, getattr(self.policy, "costs", None)
         capped = [False] * len(reqs)  # its length was cut (the policy does not learn the drafter from it)
         if costs is not None and len(reqs) > 1 and all(c.gains is not None for c in choices):
-            planned = [0 if c.drafter is None or r.finished else self.draft_budget(r, c.drafter) if c.draft is None
-                       else min(len(c.draft), self.draft_budget(r, c.drafter)) for r, c in zip(reqs, choices)]
+            planned = [
+                0
+                if c.drafter is None or r.finished
+                else self.draft_budget(r, c.drafter)
+                if c.draft is None
+                else min(len(c.draft), self.draft_budget(r, c.drafter))
+                for r, c in zip(reqs, choices)
+            ]
             caps = batch_lengths(planned, [c.gains for c in choices], costs)
             capped = [n > cap for n, cap in zip(planned, caps)]
         for src in {id(c.drafter): c.drafter for c in choices if c.drafter is not None}.values():
-            idxs = [i for i, c in enumerate(choices) if c.drafter is src and c.draft is None and not reqs[i].finished
-                    and (caps is None or caps[i] > 0)]
+            idxs = [
+                i
+                for i, c in enumerate(choices)
+                if c.drafter is src and c.draft is None and not reqs[i].finished and (caps is None or caps[i] > 0)
+            ]
             if idxs:
                 t0 = time.perf_counter()
                 made = self._propose(src, [reqs[i] for i in idxs], None if caps is None else [caps[i] for i in idxs])
@@ -382,7 +404,9 @@ class Engine:
         drafts: list[Draft] = [Draft() for _ in reqs]
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None and not r.finished:
-                drafts[i] = c.draft.truncated(min(self.draft_budget(r, c.drafter), len(c.draft) if caps is None else caps[i]))
+                drafts[i] = c.draft.truncated(
+                    min(self.draft_budget(r, c.drafter), len(c.draft) if caps is None else caps[i])
+                )
                 if c.also is not None:  # the cache draft first, so its nodes keep the cache's order
                     # (it fits the slot: the cache part is within the tokens still to come, the model
                     # part within num_draft_tokens, and check_fits left room for both)
@@ -458,11 +482,24 @@ class Engine:
             if d.marks is not None and b not in settled:
                 on = next((n for n, i in enumerate(verified[b][0]) if not d.marks[i]), len(verified[b][0]))
                 union = (sum(d.marks), on)
-            req.stats.steps.append(StepRecord(
-                d.source or "none", len(d), accepted, draft_s * shares[b], verify_s / B, predicted[b], capped=capped[b],
-                arm=self._arm if self.check is not None and B > 1 else None,
-                slim_accepted=counts[b][0], slim_regenerated=counts[b][1], slim_escalated=counts[b][2],
-                full_forward=b not in settled, union=union, context=len(req.prompt) + len(req.output)))
+            req.stats.steps.append(
+                StepRecord(
+                    d.source or "none",
+                    len(d),
+                    accepted,
+                    draft_s * shares[b],
+                    verify_s / B,
+                    predicted[b],
+                    capped=capped[b],
+                    arm=self._arm if self.check is not None and B > 1 else None,
+                    slim_accepted=counts[b][0],
+                    slim_regenerated=counts[b][1],
+                    slim_escalated=counts[b][2],
+                    full_forward=b not in settled,
+                    union=union,
+                    context=len(req.prompt) + len(req.output),
+                )
+            )
             try:
                 results.append(self._emit(req, emitted))
             except Exception as e:  # noqa: BLE001 - a drafter's accept: fail this request alone
@@ -476,8 +513,9 @@ class Engine:
             r.stats.decode_s += dt
         return results
 
-    def _slim_pass(self, reqs: list[Request], drafts: list[Draft]
-                   ) -> tuple[dict[int, list[int]], list[Draft], list[tuple[int, int, int]]]:
+    def _slim_pass(
+        self, reqs: list[Request], drafts: list[Draft]
+    ) -> tuple[dict[int, list[int]], list[Draft], list[tuple[int, int, int]]]:
         """The slim tier (``verification/tiered.py``): one ``q'`` forward (the target with ``skip``)
         over ``[pending] + draft`` for the chain drafts it can help. A tiered greedy row ``q'`` settles
         keeps its tokens' K/V unverified (``full_len`` stays behind, the next full forward catches
@@ -488,8 +526,14 @@ class Engine:
         starts = [cache.lengths[r.slot] for r in reqs]
         tiered = [tier.mode == "tiered" and r.params.greedy for r in reqs]
         budgets = [self.draft_budget(r) for r in reqs]
-        use = [b for b in range(B) if drafts[b].is_chain and budgets[b] > 0 and (len(drafts[b]) or tier.slim_empty)
-               and not (tiered[b] and starts[b] - reqs[b].full_len + len(drafts[b]) + 1 > tier.max_lag)]
+        use = [
+            b
+            for b in range(B)
+            if drafts[b].is_chain
+            and budgets[b] > 0
+            and (len(drafts[b]) or tier.slim_empty)
+            and not (tiered[b] and starts[b] - reqs[b].full_len + len(drafts[b]) + 1 > tier.max_lag)
+        ]
         settled: dict[int, list[int]] = {}
         drafts = list(drafts)
         counts = [(0, 0, 0)] * B
@@ -506,8 +550,14 @@ class Engine:
             req.stats.slim_forwards += 1
             if tiered[b] and len(d):
                 own = out.logits[j, : len(d) + 1].float().softmax(-1).amax(-1).tolist()
-                v = tiered_verdict(confidence_ratios(out.logits[j], d.token_ids), best[j], own, d.token_ids,
-                                   tier.thresholds, len(req.output))
+                v = tiered_verdict(
+                    confidence_ratios(out.logits[j], d.token_ids),
+                    best[j],
+                    own,
+                    d.token_ids,
+                    tier.thresholds,
+                    len(req.output),
+                )
                 if not v.escalate:
                     settled[b] = d.token_ids[: v.accepted] + ([v.token] if v.token is not None else [])
                     counts[b] = (v.accepted, int(v.token is not None), 0)
@@ -531,8 +581,9 @@ class Engine:
         cache, dev = self.model.cache, self.model.device
         B = len(reqs)
         # (tokens copies prompt + output: only rows that lag pay for it)
-        lags = [r.tokens[r.full_len: cache.lengths[r.slot]] if r.full_len < cache.lengths[r.slot] else []
-                for r in reqs]
+        lags = [
+            r.tokens[r.full_len : cache.lengths[r.slot]] if r.full_len < cache.lengths[r.slot] else [] for r in reqs
+        ]
         for r in reqs:
             cache.truncate(r.slot, r.full_len)
         rows = [lag + [r.pending] + d.token_ids for r, lag, d in zip(reqs, lags, drafts)]
@@ -549,8 +600,15 @@ class Engine:
                     mask[b, g:w, g:w] = tree_attention_mask(d.parents, device=dev)
                     depths[b, g:w] = g + torch.tensor(tree_depths(d.parents), device=dev)
         # rows of different widths are packed (each pays for its own tokens); their logits come packed
-        out = self.model(toks, [r.slot for r in reqs], n_new=widths, depths=depths, attn_mask=mask, taps=self.taps,
-                         packed_logits=True)
+        out = self.model(
+            toks,
+            [r.slot for r in reqs],
+            n_new=widths,
+            depths=depths,
+            attn_mask=mask,
+            taps=self.taps,
+            packed_logits=True,
+        )
         logits = out.logits
         walks = best = None
         if logits.is_cuda and T > 1 and out.offsets is None and all(r.params.greedy for r in reqs) and not any(lags):
@@ -562,14 +620,20 @@ class Engine:
         for b, (req, lag, d) in enumerate(zip(reqs, lags, drafts)):
             g = len(lag)
             try:
-                path, nxt = self._verify(req, d, out.row(b)[g: widths[b]], walks[b] if walks is not None else None,
-                                         best[b][g:] if best is not None else None)
+                path, nxt = self._verify(
+                    req,
+                    d,
+                    out.row(b)[g : widths[b]],
+                    walks[b] if walks is not None else None,
+                    best[b][g:] if best is not None else None,
+                )
                 keep = list(range(g + 1)) + [g + 1 + i for i in path]
                 cache.compact(req.slot, req.full_len, keep)
                 req.full_len = cache.lengths[req.slot]
                 if self.taps:
-                    self._observe(req, [d.token_ids[i] for i in path] + [nxt], out.taps, b,
-                                  torch.tensor(keep[g:], device=dev))
+                    self._observe(
+                        req, [d.token_ids[i] for i in path] + [nxt], out.taps, b, torch.tensor(keep[g:], device=dev)
+                    )
                 req.stats.target_forwards += 1
                 results.append((path, nxt))
             except Exception as e:  # noqa: BLE001 - this request's verification: fail it alone
@@ -581,8 +645,12 @@ class Engine:
         """``_drafts`` for the batch, less the requests that failed while drafting."""
         drafts, predicted, capped = self._drafts(reqs)
         live = [i for i, r in enumerate(reqs) if not r.finished]
-        return ([reqs[i] for i in live], [drafts[i] for i in live], [predicted[i] for i in live],
-                [capped[i] for i in live])
+        return (
+            [reqs[i] for i in live],
+            [drafts[i] for i in live],
+            [predicted[i] for i in live],
+            [capped[i] for i in live],
+        )
 
     @staticmethod
     def _verify(req: Request, d: Draft, logits: torch.Tensor, walk, best) -> tuple[list[int], int]:
@@ -610,8 +678,9 @@ class Engine:
         for b, d in enumerate(drafts):
             toks[b, : len(d)] = torch.tensor(d.token_ids, dtype=torch.long)
             pars[b, : len(d)] = torch.tensor(d.parents, dtype=torch.long)
-        path, plen, bonus = verify_tree(logits, toks.to(logits.device), pars.to(logits.device),
-                                        [len(d) for d in drafts])
+        path, plen, bonus = verify_tree(
+            logits, toks.to(logits.device), pars.to(logits.device), [len(d) for d in drafts]
+        )
         path, plen, bonus = path.tolist(), plen.tolist(), bonus.tolist()
         return [(path[b][: plen[b]], bonus[b]) for b in range(B)]
 
@@ -651,8 +720,9 @@ class Engine:
         return StepOutput(req.req_id, kept, req.finished, req.finish_reason)
 
     # ----------------------------------------------------------------------------- helpers
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[Request]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Request]:
         """Run ``prompts`` to completion (batched up to the slot count) and return the requests."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]

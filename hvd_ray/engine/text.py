@@ -31,7 +31,7 @@ class IncrementalDecoder:
         self.ids += tokens
         text = self.decode(self.ids)
         if text == self.last and self.sent == len(text):  # no text, nothing unfinished (skipped special tokens)
-            del self.ids[len(self.ids) - len(tokens):]
+            del self.ids[len(self.ids) - len(tokens) :]
             return ""
         end = len(text)
         while end > self.sent and text[end - 1] == _UNFINISHED:

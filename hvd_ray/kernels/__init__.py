@@ -19,10 +19,18 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "verify_greedy": "greedy_accept", "verify_greedy_torch": "greedy_accept", "verify_greedy_triton": "greedy_accept",
-    "verify_rejection": "rejection", "verify_rejection_torch": "rejection", "verify_rejection_triton": "rejection",
-    "verify_tree": "tree_accept", "verify_tree_torch": "tree_accept", "verify_tree_triton": "tree_accept",
-    "compact_kv": "kv_compact", "compact_kv_torch": "kv_compact", "compact_kv_triton": "kv_compact",
+    "verify_greedy": "greedy_accept",
+    "verify_greedy_torch": "greedy_accept",
+    "verify_greedy_triton": "greedy_accept",
+    "verify_rejection": "rejection",
+    "verify_rejection_torch": "rejection",
+    "verify_rejection_triton": "rejection",
+    "verify_tree": "tree_accept",
+    "verify_tree_torch": "tree_accept",
+    "verify_tree_triton": "tree_accept",
+    "compact_kv": "kv_compact",
+    "compact_kv_torch": "kv_compact",
+    "compact_kv_triton": "kv_compact",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -73,17 +73,20 @@ def _engine_entry_points(dev: str, vocab: int) -> dict[str, str | None]:
     try:
         probs = logits.float().softmax(-1)
         for dists in (None, torch.randn(K, vocab, generator=g).softmax(-1).to(dev)):
+
             def run(d=dists):
                 gen = torch.Generator(device=dev).manual_seed(7)
                 return rejection_sample_chain(probs[0], drafts[0], d, gen)
+
             got, want = both(run)
             assert got == want == run(), (got, want)
         out["entry: rejection"] = None
     except Exception as e:  # noqa: BLE001
         out["entry: rejection"] = repr(e)
     try:
-        cfg = ModelConfig(vocab_size=vocab, dim=192, n_layers=3, n_heads=3, n_kv_heads=3, head_dim=64,
-                          intermediate_size=256)
+        cfg = ModelConfig(
+            vocab_size=vocab, dim=192, n_layers=3, n_heads=3, n_kv_heads=3, head_dim=64, intermediate_size=256
+        )
         caches = {d: KVCache(cfg, 4, 64, torch.bfloat16, torch.device(d)) for d in (dev, "cpu")}
         for layer in range(cfg.n_layers):
             init = torch.randn(4, 3, 64, 64, generator=g).bfloat16()
@@ -93,8 +96,9 @@ def _engine_entry_points(dev: str, vocab: int) -> dict[str, str | None]:
         for c in caches.values():
             c.lengths[2] = 30
             c.compact(2, 20, [0, 2, 3, 7, 9])
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(caches[dev].k + caches[dev].v,
-                                                            caches["cpu"].k + caches["cpu"].v))
+        assert all(
+            torch.equal(a.cpu(), b) for a, b in zip(caches[dev].k + caches[dev].v, caches["cpu"].k + caches["cpu"].v)
+        )
         assert caches[dev].lengths == caches["cpu"].lengths
         out["entry: KVCache.compact"] = None
     except Exception as e:  # noqa: BLE001
@@ -113,36 +117,60 @@ def _timings(dev: str, vocab: int) -> list[tuple[str, float, float]]:
     for B in (1, 8, 32):
         k = 8
         logits = torch.randn(B, k + 1, vocab, generator=g).to(dev, torch.bfloat16)
-        drafts = logits.argmax(-1)[:, :k].contiguous()      # all accepted: every row is read
+        drafts = logits.argmax(-1)[:, :k].contiguous()  # all accepted: every row is read
         lens = torch.full((B,), k, device=dev)
-        rows.append((f"greedy B={B} k={k} bf16, all accepted",
-                     do_bench(functools.partial(kn.verify_greedy_triton, logits, drafts, lens)),
-                     do_bench(functools.partial(kn.verify_greedy_torch, logits, drafts, lens))))
+        rows.append(
+            (
+                f"greedy B={B} k={k} bf16, all accepted",
+                do_bench(functools.partial(kn.verify_greedy_triton, logits, drafts, lens)),
+                do_bench(functools.partial(kn.verify_greedy_torch, logits, drafts, lens)),
+            )
+        )
     B, N = 8, 32
     logits = torch.randn(B, N + 1, vocab, generator=g).to(dev, torch.bfloat16)
     parents = torch.tensor([[-1] * 4 + [int(torch.randint(0, i, (1,), generator=g)) for i in range(4, N)]] * B)
     best = logits.argmax(-1).cpu()
-    drafts = torch.stack([best[b, parents[b] + 1] for b in range(B)])   # every node the argmax of its parent
+    drafts = torch.stack([best[b, parents[b] + 1] for b in range(B)])  # every node the argmax of its parent
     args = (logits, drafts.to(dev), parents.to(dev), torch.full((B,), N, device=dev))
-    rows.append((f"tree B={B} N={N} bf16", do_bench(lambda: kn.verify_tree_triton(*args)),
-                 do_bench(lambda: kn.verify_tree_torch(*args))))
+    rows.append(
+        (
+            f"tree B={B} N={N} bf16",
+            do_bench(lambda: kn.verify_tree_triton(*args)),
+            do_bench(lambda: kn.verify_tree_torch(*args)),
+        )
+    )
     B, k = 8, 8
     p = torch.randn(B, k + 1, vocab, generator=g).softmax(-1).to(dev)
     q = torch.randn(B, k, vocab, generator=g).softmax(-1).to(dev)
     drafts = p.argmax(-1)[:, :k].contiguous()
     lens = torch.full((B,), k, device=dev)
     au, su = torch.rand(B, k, device=dev), torch.rand(B, device=dev)
-    rows.append((f"rejection B={B} k={k} fp32, with q", do_bench(lambda: kn.verify_rejection_triton(p, drafts, lens, au, su, q)),
-                 do_bench(lambda: kn.verify_rejection_torch(p, drafts, lens, au, su, q))))
-    shape = (16, 3, 4096, 64)                                   # the default model's cache: 3 KV heads, d=64
+    rows.append(
+        (
+            f"rejection B={B} k={k} fp32, with q",
+            do_bench(lambda: kn.verify_rejection_triton(p, drafts, lens, au, su, q)),
+            do_bench(lambda: kn.verify_rejection_torch(p, drafts, lens, au, su, q)),
+        )
+    )
+    shape = (16, 3, 4096, 64)  # the default model's cache: 3 KV heads, d=64
     kc = [torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(30)]
     vc = [torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(30)]
     keep = [[0, 1, 3, 6, 10]]
-    rows.append(("kv compact 30 layers, 1 slot, 5 of 16", do_bench(lambda: kn.compact_kv_triton(kc, vc, [3], [1000], keep)),
-                 do_bench(lambda: kn.compact_kv_torch(kc, vc, [3], [1000], keep))))
+    rows.append(
+        (
+            "kv compact 30 layers, 1 slot, 5 of 16",
+            do_bench(lambda: kn.compact_kv_triton(kc, vc, [3], [1000], keep)),
+            do_bench(lambda: kn.compact_kv_torch(kc, vc, [3], [1000], keep)),
+        )
+    )
     keep8 = keep * 8
-    rows.append(("kv compact 30 layers, 8 slots", do_bench(lambda: kn.compact_kv_triton(kc, vc, list(range(8)), [1000] * 8, keep8)),
-                 do_bench(lambda: kn.compact_kv_torch(kc, vc, list(range(8)), [1000] * 8, keep8))))
+    rows.append(
+        (
+            "kv compact 30 layers, 8 slots",
+            do_bench(lambda: kn.compact_kv_triton(kc, vc, list(range(8)), [1000] * 8, keep8)),
+            do_bench(lambda: kn.compact_kv_torch(kc, vc, list(range(8)), [1000] * 8, keep8)),
+        )
+    )
     return rows
 
 
@@ -153,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-timings", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print(f"check_gpu: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False): "
-              "nothing to check. The CPU tests (tests/test_kernels.py) run the same checks under TRITON_INTERPRET=1.")
+        print(
+            f"check_gpu: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is False): "
+            "nothing to check. The CPU tests (tests/test_kernels.py) run the same checks under TRITON_INTERPRET=1."
+        )
         return 0
     from hvd_ray.kernels._triton import HAVE_TRITON
+
     if not HAVE_TRITON:
         print("check_gpu: a CUDA device but no Triton: `pip install triton` (the version your torch pins)")
         return 1
@@ -165,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = "cuda"
     print(f"check_gpu: {torch.cuda.get_device_name()} torch {torch.__version__}")
     results: dict[str, str | None] = {}
-    for label, setup in (("small tiles", Setup(device=dev, samples=args.samples)),
-                         (f"V={args.vocab}", Setup(device=dev, vocab=args.vocab, block_v=None, batch=8, seed=1,
-                                                   samples=args.samples))):
+    for label, setup in (
+        ("small tiles", Setup(device=dev, samples=args.samples)),
+        (f"V={args.vocab}", Setup(device=dev, vocab=args.vocab, block_v=None, batch=8, seed=1, samples=args.samples)),
+    ):
         results.update({f"{name} ({label})": err for name, err in run_checks(setup).items()})
     results.update(_engine_entry_points(dev, args.vocab))
     for name, err in results.items():

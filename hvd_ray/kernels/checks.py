@@ -26,11 +26,11 @@ from .tree_accept import verify_tree_torch, verify_tree_triton
 @dataclass
 class Setup:
     device: str = "cpu"
-    vocab: int = 1000           # not a power of two: the last tile is partial
-    block_v: int | None = 128   # small tiles so a row spans several (None: the launchers' choice)
+    vocab: int = 1000  # not a power of two: the last tile is partial
+    block_v: int | None = 128  # small tiles so a row spans several (None: the launchers' choice)
     batch: int = 6
     seed: int = 0
-    samples: int = 200_000      # sequences in the chi-square check (the interpreter runs ~1 ms each)
+    samples: int = 200_000  # sequences in the chi-square check (the interpreter runs ~1 ms each)
 
 
 def _eq(name: str, got, want) -> None:
@@ -49,17 +49,17 @@ def _chain_batch(s: Setup, K: int, g: torch.Generator, dtype=torch.float32):
     logits = torch.randn(B, K + 1, V, generator=g).to(dtype)
     best = logits.argmax(-1)
     lens = torch.randint(0, K + 1, (B,), generator=g)
-    lens[0], lens[-1] = K, 0                                   # a full-length draft and an empty one
+    lens[0], lens[-1] = K, 0  # a full-length draft and an empty one
     drafts = torch.randint(0, V, (B, K), generator=g)
-    agree = torch.randint(0, K + 2, (B,), generator=g)         # follow the argmax this far
-    agree[0] = K                                               # row 0: every token accepted
+    agree = torch.randint(0, K + 2, (B,), generator=g)  # follow the argmax this far
+    agree[0] = K  # row 0: every token accepted
     for b in range(B):
         a = min(int(agree[b]), K)
         drafts[b, :a] = best[b, :a]
         if a < K and drafts[b, a] == best[b, a]:
             drafts[b, a] = (best[b, a] + 1) % V
     if B > 1 and K:
-        drafts[1, 0] = (best[1, 0] + 1) % V                   # row 1: nothing accepted
+        drafts[1, 0] = (best[1, 0] + 1) % V  # row 1: nothing accepted
         lens[1] = K
     return logits, drafts, lens
 
@@ -83,21 +83,24 @@ def check_greedy(s: Setup) -> None:
     wide = torch.randn(s.batch, 7, s.vocab, generator=g)
     wide[:, 1:6] = logits
     view, drafts, lens = wide[:, 1:6].to(s.device), drafts.to(s.device), lens.to(s.device)
-    _eq("greedy strided", verify_greedy_triton(view, drafts, lens, block_v=s.block_v),
-        verify_greedy_torch(view, drafts, lens))
+    _eq(
+        "greedy strided",
+        verify_greedy_triton(view, drafts, lens, block_v=s.block_v),
+        verify_greedy_torch(view, drafts, lens),
+    )
 
 
 def check_greedy_ties(s: Setup) -> None:
     """Ties resolve to the first maximum like ``torch.argmax``, within a tile and across tiles."""
     g = _gen(s)
     B, K, V = s.batch, 3, s.vocab
-    bv = s.block_v or block_size(V, 2048)                     # the kernel's tile width
+    bv = s.block_v or block_size(V, 2048)  # the kernel's tile width
     # few distinct values: every row has many tied maxima
     logits = torch.randint(0, 4, (B, K + 1, V), generator=g).float()
     logits[0, 0, :] = 0.0
-    logits[0, 0, [i for i in (bv + 3, 3, 2 * bv + 3) if i < V]] = 5.0   # one lane, different tiles
-    logits[0, 1, :] = float("-inf")                            # all -inf: torch answers 0
-    logits[0, 2, [V - 1, 7]] = float("nan")                    # NaN counts as the maximum
+    logits[0, 0, [i for i in (bv + 3, 3, 2 * bv + 3) if i < V]] = 5.0  # one lane, different tiles
+    logits[0, 1, :] = float("-inf")  # all -inf: torch answers 0
+    logits[0, 2, [V - 1, 7]] = float("nan")  # NaN counts as the maximum
     logits[0, 3, [5, V - 2]] = float("inf")
     best = logits.argmax(-1)
     drafts = best[:, :K].clone()
@@ -128,14 +131,14 @@ def check_tree(s: Setup) -> None:
         n_nodes[0] = N
         for b in range(B):
             n = int(n_nodes[b])
-            par = _random_tree(n, g) if b % 3 else list(range(-1, n - 1))    # every third one a chain
+            par = _random_tree(n, g) if b % 3 else list(range(-1, n - 1))  # every third one a chain
             if b == 1 and n >= 4:
-                par[:4] = [-1, -1, -1, 1]                                     # several root branches
+                par[:4] = [-1, -1, -1, 1]  # several root branches
             parents[b, :n] = torch.tensor(par, dtype=torch.long)
-            for i, p in enumerate(par):                                       # ~60% follow the argmax
+            for i, p in enumerate(par):  # ~60% follow the argmax
                 if torch.rand(1, generator=g) < 0.6:
                     drafts[b, i] = best[b, p + 1]
-            if b == 2 and n >= 3:                                             # duplicate siblings
+            if b == 2 and n >= 3:  # duplicate siblings
                 parents[b, :3] = torch.tensor([-1, -1, -1])
                 drafts[b, :3] = best[b, 0]
         args = (logits.to(s.device), drafts.to(s.device), parents.to(s.device), n_nodes.to(s.device))
@@ -144,11 +147,11 @@ def check_tree(s: Setup) -> None:
     V = s.vocab
     logits = torch.zeros(1, 6, V)
     #          node: 1   2   3   4   5     (draft index + 1); parents of draft 0..4
-    parents = torch.tensor([[-1, -1, 1, 1, 1]])                 # drafts 2-4: children of draft 1
+    parents = torch.tensor([[-1, -1, 1, 1, 1]])  # drafts 2-4: children of draft 1
     drafts = torch.tensor([[10, 11, 12, 13, 14]])
-    logits[0, 0, 11] = 1.0   # root -> draft 1 (node 2)
-    logits[0, 2, 14] = 1.0   # node 2 -> draft 4 (node 5); draft 3 (13) is not the argmax
-    logits[0, 5, 42] = 1.0   # leaf: bonus 42
+    logits[0, 0, 11] = 1.0  # root -> draft 1 (node 2)
+    logits[0, 2, 14] = 1.0  # node 2 -> draft 4 (node 5); draft 3 (13) is not the argmax
+    logits[0, 5, 42] = 1.0  # leaf: bonus 42
     args = (logits.to(s.device), drafts.to(s.device), parents.to(s.device), torch.tensor([5]).to(s.device))
     got = verify_tree_triton(*args, block_v=s.block_v)
     _eq("tree hand-made", got, verify_tree_torch(*args))
@@ -174,31 +177,37 @@ def check_rejection(s: Setup) -> None:
             lens = torch.randint(0, K + 1, (B,), generator=g)
             lens[0] = K
             accept_u = torch.rand(B, K, generator=g)
-            accept_u[0] = 0.0                   # row 0: accepted whenever p(x) > 0
+            accept_u[0] = 0.0  # row 0: accepted whenever p(x) > 0
             if B > 1 and K:
-                accept_u[1] = 1.0 - 2 ** -24    # row 1: rejected unless p(x) >= q(x) ~ 1
+                accept_u[1] = 1.0 - 2**-24  # row 1: rejected unless p(x) >= q(x) ~ 1
                 lens[1] = K
             sample_u = torch.rand(B, generator=g)
-            sample_u[-1] = 0.0                  # the first token with mass
+            sample_u[-1] = 0.0  # the first token with mass
             if B > 2:
-                sample_u[2] = 1.0 - 2 ** -24    # the last token with mass
+                sample_u[2] = 1.0 - 2**-24  # the last token with mass
             if with_q and K and B > 3:
-                q[3, 0] = p[3, 0]               # q >= p everywhere: the residual is empty, draw from p
+                q[3, 0] = p[3, 0]  # q >= p everywhere: the residual is empty, draw from p
                 q[3, 0, drafts[3, 0]] += 0.5
-                accept_u[3, 0] = 1.0 - 2 ** -24
+                accept_u[3, 0] = 1.0 - 2**-24
                 lens[3] = K
             if K and B > 4:
-                p[4, 0, drafts[4, 0]] = 0.0     # a draft token the target rules out: rejected
+                p[4, 0, drafts[4, 0]] = 0.0  # a draft token the target rules out: rejected
                 lens[4] = K
             dev = s.device
-            args = (p.to(dev), drafts.to(dev), lens.to(dev), accept_u.to(dev), sample_u.to(dev),
-                    None if q is None else q.to(dev))
+            args = (
+                p.to(dev),
+                drafts.to(dev),
+                lens.to(dev),
+                accept_u.to(dev),
+                sample_u.to(dev),
+                None if q is None else q.to(dev),
+            )
             got = verify_rejection_triton(*args, block_v=s.block_v)
             want = verify_rejection_torch(*args)
             _eq(f"rejection K={K} q={with_q}", got, want)
             acc, tok = want
             pw = p.to(dev)
-            for b in range(B):                  # the emitted token always has mass where it is drawn
+            for b in range(B):  # the emitted token always has mass where it is drawn
                 assert float(pw[b, int(acc[b]), int(tok[b])]) > 0, (b, int(acc[b]), int(tok[b]))
                 if K and b == 4 and B > 4:
                     assert int(acc[b]) == 0 and int(tok[b]) != int(drafts[4, 0])
@@ -213,8 +222,16 @@ def check_rejection(s: Setup) -> None:
     _eq("rejection bf16", verify_rejection_triton(*args, block_v=s.block_v), verify_rejection_torch(*args))
 
 
-def first_token_counts(fn: Callable, n: int, p0: torch.Tensor, q0: torch.Tensor | None, drafts: torch.Tensor,
-                       g: torch.Generator, device: str, **kw) -> torch.Tensor:
+def first_token_counts(
+    fn: Callable,
+    n: int,
+    p0: torch.Tensor,
+    q0: torch.Tensor | None,
+    drafts: torch.Tensor,
+    g: torch.Generator,
+    device: str,
+    **kw,
+) -> torch.Tensor:
     """Counts of the first emitted token over ``n`` independent sequences (draft token or replacement)."""
     V = p0.shape[-1]
     K = drafts.shape[1]
@@ -244,10 +261,10 @@ def rejection_distribution(fn: Callable, s: Setup, n: int, **kw) -> None:
     V = 8
     p0 = torch.tensor([0.30, 0.05, 0.20, 0.0, 0.15, 0.10, 0.12, 0.08])
     rest = torch.full((V,), 1.0 / V)
-    p = torch.stack([p0, rest, rest])[None]                     # [1, 3, V]
+    p = torch.stack([p0, rest, rest])[None]  # [1, 3, V]
     q = torch.stack([torch.tensor([0.05, 0.40, 0.05, 0.10, 0.10, 0.10, 0.10, 0.10]), rest])[None]
-    sampled = torch.multinomial(q[0], n, replacement=True, generator=g).T    # x_i ~ q_i, as the theorem needs
-    fixed = torch.tensor([[1, 2]]).expand(n, 2)                 # deterministic: a token p finds unlikely
+    sampled = torch.multinomial(q[0], n, replacement=True, generator=g).T  # x_i ~ q_i, as the theorem needs
+    fixed = torch.tensor([[1, 2]]).expand(n, 2)  # deterministic: a token p finds unlikely
     for qq, drafts in ((q, sampled), (None, fixed)):
         counts = first_token_counts(fn, n, p, qq, drafts, g, s.device, **kw)
         pv = chi_square_pvalue(counts, p0)
@@ -259,7 +276,7 @@ def check_rejection_distribution(s: Setup) -> None:
 
 
 def _cache(s: Setup, g: torch.Generator, dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    shape = (4, 3, 40, 24)                                      # slots, kv heads, max_len, head_dim (not 2^k)
+    shape = (4, 3, 40, 24)  # slots, kv heads, max_len, head_dim (not 2^k)
     k = [torch.randn(shape, generator=g).to(dtype).to(s.device) for _ in range(2)]
     v = [torch.randn(shape, generator=g).to(dtype).to(s.device) for _ in range(2)]
     return k, v
@@ -268,10 +285,10 @@ def _cache(s: Setup, g: torch.Generator, dtype) -> tuple[list[torch.Tensor], lis
 def check_kv_compact(s: Setup) -> None:
     g = _gen(s)
     cases = [
-        ([2], [5], [[0, 2, 3, 7]]),                              # one slot
+        ([2], [5], [[0, 2, 3, 7]]),  # one slot
         ([0, 3, 1], [0, 9, 30], [[0, 1, 4, 5, 6], [0, 3], [0, 1, 2]]),  # several, one a no-op
-        ([1, 2], [3, 0], [[0, 9], [0, 1, 2, 3, 5, 8, 13, 21, 34]]),     # a long jump; a deep path
-        ([0], [10], [[0]]),                                      # nothing accepted
+        ([1, 2], [3, 0], [[0, 9], [0, 1, 2, 3, 5, 8, 13, 21, 34]]),  # a long jump; a deep path
+        ([0], [10], [[0]]),  # nothing accepted
     ]
     for dtype in (torch.float32, torch.bfloat16):
         for slots, starts, keeps in cases:
@@ -321,17 +338,87 @@ def compile_for_cuda(capability: int = 90, dtypes: tuple[str, ...] = ("fp32", "b
     i64, i32 = "*i64", "i32"
     cases = []
     for dt in dtypes:
-        cases.append((_greedy_accept_kernel, dict(logits_ptr=f"*{dt}", s_lb=i32, s_lk=i32, drafts_ptr=i64, s_db=i32,
-                      lens_ptr=i64, acc_ptr=i64, bonus_ptr=i64, V=i32), dict(BLOCK_V=2048)))
-        cases.append((_tree_accept_kernel, dict(logits_ptr=f"*{dt}", s_lb=i32, s_ln=i32, drafts_ptr=i64, s_db=i32,
-                      parents_ptr=i64, s_pb=i32, nodes_ptr=i64, path_ptr=i64, s_tb=i32, plen_ptr=i64, bonus_ptr=i64,
-                      V=i32), dict(BLOCK_V=2048, BLOCK_N=64)))
-        cases.append((_kv_compact_kernel, dict(k_ptr=f"*{dt}", v_ptr=f"*{dt}", s_slot=i32, s_head=i32, s_pos=i32,
-                      slots_ptr=i64, starts_ptr=i64, keep_ptr=i64, s_keep=i32, nkeep_ptr=i64, D=i32), dict(BLOCK_D=64)))
+        cases.append(
+            (
+                _greedy_accept_kernel,
+                dict(
+                    logits_ptr=f"*{dt}",
+                    s_lb=i32,
+                    s_lk=i32,
+                    drafts_ptr=i64,
+                    s_db=i32,
+                    lens_ptr=i64,
+                    acc_ptr=i64,
+                    bonus_ptr=i64,
+                    V=i32,
+                ),
+                dict(BLOCK_V=2048),
+            )
+        )
+        cases.append(
+            (
+                _tree_accept_kernel,
+                dict(
+                    logits_ptr=f"*{dt}",
+                    s_lb=i32,
+                    s_ln=i32,
+                    drafts_ptr=i64,
+                    s_db=i32,
+                    parents_ptr=i64,
+                    s_pb=i32,
+                    nodes_ptr=i64,
+                    path_ptr=i64,
+                    s_tb=i32,
+                    plen_ptr=i64,
+                    bonus_ptr=i64,
+                    V=i32,
+                ),
+                dict(BLOCK_V=2048, BLOCK_N=64),
+            )
+        )
+        cases.append(
+            (
+                _kv_compact_kernel,
+                dict(
+                    k_ptr=f"*{dt}",
+                    v_ptr=f"*{dt}",
+                    s_slot=i32,
+                    s_head=i32,
+                    s_pos=i32,
+                    slots_ptr=i64,
+                    starts_ptr=i64,
+                    keep_ptr=i64,
+                    s_keep=i32,
+                    nkeep_ptr=i64,
+                    D=i32,
+                ),
+                dict(BLOCK_D=64),
+            )
+        )
         for has_q in (False, True):
-            cases.append((_rejection_kernel, dict(p_ptr=f"*{dt}", s_pb=i32, s_pk=i32, q_ptr=f"*{dt}", s_qb=i32,
-                          s_qk=i32, drafts_ptr=i64, s_db=i32, lens_ptr=i64, au_ptr="*fp32", s_ab=i32, su_ptr="*fp32",
-                          acc_ptr=i64, tok_ptr=i64, V=i32), dict(HAS_Q=has_q, BLOCK_V=1024)))
+            cases.append(
+                (
+                    _rejection_kernel,
+                    dict(
+                        p_ptr=f"*{dt}",
+                        s_pb=i32,
+                        s_pk=i32,
+                        q_ptr=f"*{dt}",
+                        s_qb=i32,
+                        s_qk=i32,
+                        drafts_ptr=i64,
+                        s_db=i32,
+                        lens_ptr=i64,
+                        au_ptr="*fp32",
+                        s_ab=i32,
+                        su_ptr="*fp32",
+                        acc_ptr=i64,
+                        tok_ptr=i64,
+                        V=i32,
+                    ),
+                    dict(HAS_Q=has_q, BLOCK_V=1024),
+                )
+            )
     done = []
     for fn, sig, consts in cases:
         names = fn.arg_names

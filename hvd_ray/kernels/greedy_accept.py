@@ -28,23 +28,25 @@ def _check(logits: torch.Tensor, drafts: torch.Tensor, draft_lens) -> tuple[torc
     return drafts, lens
 
 
-def verify_greedy_torch(logits: torch.Tensor, drafts: torch.Tensor,
-                        draft_lens: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy_torch(
+    logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference, any device, no host sync; ``(accepted [B], bonus [B])``, long. Padding
     (past ``draft_lens``) is never accepted."""
     drafts, lens = _check(logits, drafts, draft_lens)
     K = logits.shape[1] - 1
-    best = logits.argmax(-1)                                          # [B, K+1]
+    best = logits.argmax(-1)  # [B, K+1]
     valid = torch.arange(K, device=best.device) < lens[:, None]
-    matches = (best[:, :K] == drafts) & valid                         # [B, K]
-    accepted = matches.long().cumprod(1).sum(1)                       # [B]
+    matches = (best[:, :K] == drafts) & valid  # [B, K]
+    accepted = matches.long().cumprod(1).sum(1)  # [B]
     bonus = best.gather(1, accepted[:, None]).squeeze(1)
     return accepted, bonus
 
 
 @jit
-def _greedy_accept_kernel(logits_ptr, s_lb, s_lk, drafts_ptr, s_db, lens_ptr, acc_ptr, bonus_ptr,
-                          V, BLOCK_V: tl.constexpr):
+def _greedy_accept_kernel(
+    logits_ptr, s_lb, s_lk, drafts_ptr, s_db, lens_ptr, acc_ptr, bonus_ptr, V, BLOCK_V: tl.constexpr
+):
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(lens_ptr + b).to(tl.int32)
     j = 0
@@ -61,9 +63,9 @@ def _greedy_accept_kernel(logits_ptr, s_lb, s_lk, drafts_ptr, s_db, lens_ptr, ac
     tl.store(bonus_ptr + b, best.to(tl.int64))
 
 
-def verify_greedy_triton(logits: torch.Tensor, drafts: torch.Tensor,
-                         draft_lens: torch.Tensor | Sequence[int], block_v: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy_triton(
+    logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor | Sequence[int], block_v: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``); same contract as the reference."""
     require_triton(logits)
     drafts, lens = _check(logits, drafts, draft_lens)
@@ -75,14 +77,25 @@ def verify_greedy_triton(logits: torch.Tensor, drafts: torch.Tensor,
     if B == 0:
         return acc, bonus
     drafts = drafts.contiguous()
-    _greedy_accept_kernel[(B,)](logits, logits.stride(0), logits.stride(1), nonempty(drafts), drafts.stride(0),
-                                lens.contiguous(), acc, bonus, V,
-                                BLOCK_V=block_v or block_size(V, 2048), num_warps=8 if V >= 8192 else 4)
+    _greedy_accept_kernel[(B,)](
+        logits,
+        logits.stride(0),
+        logits.stride(1),
+        nonempty(drafts),
+        drafts.stride(0),
+        lens.contiguous(),
+        acc,
+        bonus,
+        V,
+        BLOCK_V=block_v or block_size(V, 2048),
+        num_warps=8 if V >= 8192 else 4,
+    )
     return acc, bonus
 
 
-def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor | Sequence[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy(
+    logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accepted draft lengths and bonus tokens, ``(accepted [B], bonus [B])``: Triton on CUDA, else torch."""
     if use_triton(logits):
         return verify_greedy_triton(logits, drafts, draft_lens)

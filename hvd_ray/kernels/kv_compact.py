@@ -19,8 +19,9 @@ import torch
 from ._triton import block_size, jit, require_triton, tl, use_triton
 
 
-def _plan(slots: Sequence[int], starts: Sequence[int], keeps: Sequence[Sequence[int]], cache: torch.Tensor
-          ) -> list[tuple[int, int, list[int]]]:
+def _plan(
+    slots: Sequence[int], starts: Sequence[int], keeps: Sequence[Sequence[int]], cache: torch.Tensor
+) -> list[tuple[int, int, list[int]]]:
     """Validate and drop no-op entries (``keep == range(len(keep))`` moves nothing)."""
     if not len(slots) == len(starts) == len(keeps):
         raise ValueError("slots, starts and keeps must have the same length")
@@ -39,8 +40,13 @@ def _plan(slots: Sequence[int], starts: Sequence[int], keeps: Sequence[Sequence[
     return plan
 
 
-def compact_kv_torch(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], slots: Sequence[int],
-                     starts: Sequence[int], keeps: Sequence[Sequence[int]]) -> None:
+def compact_kv_torch(
+    k: Sequence[torch.Tensor],
+    v: Sequence[torch.Tensor],
+    slots: Sequence[int],
+    starts: Sequence[int],
+    keeps: Sequence[Sequence[int]],
+) -> None:
     """Reference: for every slot, ``cache[slot, :, start + i] = cache[slot, :, start + keep[i]]``."""
     for slot, start, keep in _plan(slots, starts, keeps, k[0]):
         n = len(keep)
@@ -51,8 +57,9 @@ def compact_kv_torch(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], slots
 
 
 @jit
-def _kv_compact_kernel(k_ptr, v_ptr, s_slot, s_head, s_pos, slots_ptr, starts_ptr, keep_ptr, s_keep, nkeep_ptr,
-                       D, BLOCK_D: tl.constexpr):
+def _kv_compact_kernel(
+    k_ptr, v_ptr, s_slot, s_head, s_pos, slots_ptr, starts_ptr, keep_ptr, s_keep, nkeep_ptr, D, BLOCK_D: tl.constexpr
+):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -70,8 +77,13 @@ def _kv_compact_kernel(k_ptr, v_ptr, s_slot, s_head, s_pos, slots_ptr, starts_pt
             tl.store(v_ptr + base + (start + i) * s_pos + d, rv, mask=dm)
 
 
-def compact_kv_triton(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], slots: Sequence[int],
-                      starts: Sequence[int], keeps: Sequence[Sequence[int]]) -> None:
+def compact_kv_triton(
+    k: Sequence[torch.Tensor],
+    v: Sequence[torch.Tensor],
+    slots: Sequence[int],
+    starts: Sequence[int],
+    keeps: Sequence[Sequence[int]],
+) -> None:
     """The Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``): one launch per layer, in place."""
     require_triton(k[0])
     plan = _plan(slots, starts, keeps, k[0])
@@ -79,21 +91,43 @@ def compact_kv_triton(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], slot
         return
     dev = k[0].device
     width = max(len(keep) for _, _, keep in plan)
-    meta = torch.tensor([[s, st, len(kp)] + kp + [0] * (width - len(kp)) for s, st, kp in plan],
-                        dtype=torch.long).to(dev, non_blocking=True)   # one host-to-device copy
-    slots_t, starts_t, nkeep_t, keep_t = (meta[:, 0].contiguous(), meta[:, 1].contiguous(), meta[:, 2].contiguous(),
-                                          meta[:, 3:].contiguous())
+    meta = torch.tensor([[s, st, len(kp)] + kp + [0] * (width - len(kp)) for s, st, kp in plan], dtype=torch.long).to(
+        dev, non_blocking=True
+    )  # one host-to-device copy
+    slots_t, starts_t, nkeep_t, keep_t = (
+        meta[:, 0].contiguous(),
+        meta[:, 1].contiguous(),
+        meta[:, 2].contiguous(),
+        meta[:, 3:].contiguous(),
+    )
     _, H, _, D = k[0].shape
     for kc, vc in zip(k, v):
         if kc.shape != k[0].shape or vc.shape != kc.shape or kc.stride() != vc.stride() or kc.stride(-1) != 1:
             raise ValueError("every layer's K and V cache must share one shape and a unit last stride")
-        _kv_compact_kernel[(len(plan), H)](kc, vc, kc.stride(0), kc.stride(1), kc.stride(2), slots_t, starts_t,
-                                           keep_t, keep_t.stride(0), nkeep_t, D, BLOCK_D=block_size(D, 1 << 12),
-                                           num_warps=1 if D <= 128 else 4)
+        _kv_compact_kernel[(len(plan), H)](
+            kc,
+            vc,
+            kc.stride(0),
+            kc.stride(1),
+            kc.stride(2),
+            slots_t,
+            starts_t,
+            keep_t,
+            keep_t.stride(0),
+            nkeep_t,
+            D,
+            BLOCK_D=block_size(D, 1 << 12),
+            num_warps=1 if D <= 128 else 4,
+        )
 
 
-def compact_kv(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], slots: Sequence[int], starts: Sequence[int],
-               keeps: Sequence[Sequence[int]]) -> None:
+def compact_kv(
+    k: Sequence[torch.Tensor],
+    v: Sequence[torch.Tensor],
+    slots: Sequence[int],
+    starts: Sequence[int],
+    keeps: Sequence[Sequence[int]],
+) -> None:
     """Compact the accepted entries of every ``(slot, start, keep)`` in place: Triton on CUDA, else torch."""
     if use_triton(k[0]):
         compact_kv_triton(k, v, slots, starts, keeps)

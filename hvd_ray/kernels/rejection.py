@@ -50,9 +50,14 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last)
 
 
-def verify_rejection_torch(target_probs: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor | Sequence[int],
-                           accept_u: torch.Tensor, sample_u: torch.Tensor, draft_probs: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_rejection_torch(
+    target_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_lens: torch.Tensor | Sequence[int],
+    accept_u: torch.Tensor,
+    sample_u: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference (vectorised torch, any device): ``(accepted [B], next_token [B])``, long."""
     drafts, lens, accept_u, sample_u = _check(target_probs, drafts, draft_lens, accept_u, sample_u, draft_probs)
     B, K1, V = target_probs.shape
@@ -61,21 +66,25 @@ def verify_rejection_torch(target_probs: torch.Tensor, drafts: torch.Tensor, dra
     rows = torch.arange(B, device=dev)
     safe = drafts.clamp(0, V - 1)
     p_x = target_probs[:, :K].float().gather(2, safe[..., None]).squeeze(-1)
-    q_x = draft_probs.float().gather(2, safe[..., None]).squeeze(-1) if draft_probs is not None \
-        else torch.ones_like(p_x)
+    q_x = (
+        draft_probs.float().gather(2, safe[..., None]).squeeze(-1) if draft_probs is not None else torch.ones_like(p_x)
+    )
     valid = torch.arange(K, device=dev) < lens[:, None]
     accepted = ((accept_u * q_x < p_x) & valid).long().cumprod(1).sum(1)
-    p = target_probs[rows, accepted].float()                        # [B, V]
+    p = target_probs[rows, accepted].float()  # [B, V]
     rejected = accepted < lens
     if draft_probs is not None:
         q = draft_probs[rows, accepted.clamp(max=max(K - 1, 0))].float() if K else torch.zeros_like(p)
         residual = (p - q).clamp_min(0.0)
     else:
-        x = safe.gather(1, accepted.clamp(max=max(K - 1, 0))[:, None]) if K else torch.zeros(B, 1, dtype=torch.long,
-                                                                                              device=dev)
+        x = (
+            safe.gather(1, accepted.clamp(max=max(K - 1, 0))[:, None])
+            if K
+            else torch.zeros(B, 1, dtype=torch.long, device=dev)
+        )
         residual = p.scatter(1, x, 0.0)
     w = torch.where(rejected[:, None], residual, p)
-    w = torch.where((w.double().sum(-1) > 0)[:, None], w, p)        # empty residual: fall back to p
+    w = torch.where((w.double().sum(-1) > 0)[:, None], w, p)  # empty residual: fall back to p
     return accepted, inverse_cdf(w, sample_u)
 
 
@@ -94,8 +103,25 @@ def _weight(p_row, q_row, idx, V, x, resid, HAS_Q: tl.constexpr):
 
 
 @jit
-def _rejection_kernel(p_ptr, s_pb, s_pk, q_ptr, s_qb, s_qk, drafts_ptr, s_db, lens_ptr, au_ptr, s_ab,
-                      su_ptr, acc_ptr, tok_ptr, V, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+def _rejection_kernel(
+    p_ptr,
+    s_pb,
+    s_pk,
+    q_ptr,
+    s_qb,
+    s_qk,
+    drafts_ptr,
+    s_db,
+    lens_ptr,
+    au_ptr,
+    s_ab,
+    su_ptr,
+    acc_ptr,
+    tok_ptr,
+    V,
+    HAS_Q: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(lens_ptr + b).to(tl.int32)
     j = 0
@@ -145,10 +171,15 @@ def _rejection_kernel(p_ptr, s_pb, s_pk, q_ptr, s_qb, s_qk, drafts_ptr, s_db, le
     tl.store(tok_ptr + b, tl.minimum(count, last).to(tl.int64))
 
 
-def verify_rejection_triton(target_probs: torch.Tensor, drafts: torch.Tensor,
-                            draft_lens: torch.Tensor | Sequence[int], accept_u: torch.Tensor,
-                            sample_u: torch.Tensor, draft_probs: torch.Tensor | None = None,
-                            block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_rejection_triton(
+    target_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_lens: torch.Tensor | Sequence[int],
+    accept_u: torch.Tensor,
+    sample_u: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``); same contract as the reference."""
     require_triton(target_probs)
     drafts, lens, accept_u, sample_u = _check(target_probs, drafts, draft_lens, accept_u, sample_u, draft_probs)
@@ -163,16 +194,37 @@ def verify_rejection_triton(target_probs: torch.Tensor, drafts: torch.Tensor,
     q = p if draft_probs is None else draft_probs.contiguous()
     s_qb, s_qk = (q.stride(0), q.stride(1)) if K else (0, 0)
     drafts, accept_u = drafts.contiguous(), accept_u.contiguous()
-    _rejection_kernel[(B,)](p, p.stride(0), p.stride(1), nonempty(q), s_qb, s_qk, nonempty(drafts), K,
-                            lens.contiguous(), nonempty(accept_u), K, sample_u.contiguous(), acc, tok, V,
-                            HAS_Q=draft_probs is not None, BLOCK_V=block_v or block_size(V, 1024),
-                            num_warps=8 if V >= 8192 else 4)
+    _rejection_kernel[(B,)](
+        p,
+        p.stride(0),
+        p.stride(1),
+        nonempty(q),
+        s_qb,
+        s_qk,
+        nonempty(drafts),
+        K,
+        lens.contiguous(),
+        nonempty(accept_u),
+        K,
+        sample_u.contiguous(),
+        acc,
+        tok,
+        V,
+        HAS_Q=draft_probs is not None,
+        BLOCK_V=block_v or block_size(V, 1024),
+        num_warps=8 if V >= 8192 else 4,
+    )
     return acc, tok
 
 
-def verify_rejection(target_probs: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor | Sequence[int],
-                     accept_u: torch.Tensor, sample_u: torch.Tensor, draft_probs: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_rejection(
+    target_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_lens: torch.Tensor | Sequence[int],
+    accept_u: torch.Tensor,
+    sample_u: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(accepted [B], next_token [B])`` of speculative sampling: Triton on CUDA, else torch."""
     if use_triton(target_probs):
         return verify_rejection_triton(target_probs, drafts, draft_lens, accept_u, sample_u, draft_probs)

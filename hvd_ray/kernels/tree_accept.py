@@ -34,8 +34,9 @@ def _check(logits, drafts, parents, n_nodes):
     return drafts, parents, n_nodes
 
 
-def verify_tree_torch(logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor,
-                      n_nodes: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_tree_torch(
+    logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, n_nodes: torch.Tensor | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference: one ``torch.argmax`` over the logits, then a walk per sequence in Python."""
     drafts, parents, n_nodes = _check(logits, drafts, parents, n_nodes)
     B, N1, _ = logits.shape
@@ -49,8 +50,11 @@ def verify_tree_torch(logits: torch.Tensor, drafts: torch.Tensor, parents: torch
         lens.append(len(p))
         bonus.append(nxt)
     dev = logits.device
-    return path.to(dev), torch.tensor(lens, dtype=torch.long, device=dev), \
-        torch.tensor(bonus, dtype=torch.long, device=dev)
+    return (
+        path.to(dev),
+        torch.tensor(lens, dtype=torch.long, device=dev),
+        torch.tensor(bonus, dtype=torch.long, device=dev),
+    )
 
 
 def _walk(best: list[int], toks: list[int], pars: list[int]) -> tuple[list[int], int]:
@@ -68,9 +72,23 @@ def _walk(best: list[int], toks: list[int], pars: list[int]) -> tuple[list[int],
 
 
 @jit
-def _tree_accept_kernel(logits_ptr, s_lb, s_ln, drafts_ptr, s_db, parents_ptr, s_pb, nodes_ptr,
-                        path_ptr, s_tb, plen_ptr, bonus_ptr, V,
-                        BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tree_accept_kernel(
+    logits_ptr,
+    s_lb,
+    s_ln,
+    drafts_ptr,
+    s_db,
+    parents_ptr,
+    s_pb,
+    nodes_ptr,
+    path_ptr,
+    s_tb,
+    plen_ptr,
+    bonus_ptr,
+    V,
+    BLOCK_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(nodes_ptr + b).to(tl.int32)
     offs = tl.arange(0, BLOCK_N)
@@ -96,9 +114,13 @@ def _tree_accept_kernel(logits_ptr, s_lb, s_ln, drafts_ptr, s_db, parents_ptr, s
     tl.store(bonus_ptr + b, best.to(tl.int64))
 
 
-def verify_tree_triton(logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor,
-                       n_nodes: torch.Tensor | Sequence[int], block_v: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_tree_triton(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    parents: torch.Tensor,
+    n_nodes: torch.Tensor | Sequence[int],
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``); same contract as the reference."""
     require_triton(logits)
     drafts, parents, n_nodes = _check(logits, drafts, parents, n_nodes)
@@ -112,15 +134,30 @@ def verify_tree_triton(logits: torch.Tensor, drafts: torch.Tensor, parents: torc
     if B == 0:
         return path, plen, bonus
     drafts, parents = nonempty(drafts.contiguous()), nonempty(parents.contiguous())
-    _tree_accept_kernel[(B,)](logits, logits.stride(0), logits.stride(1), drafts, N1 - 1,
-                              parents, N1 - 1, n_nodes.contiguous(), path, path.stride(0),
-                              plen, bonus, V, BLOCK_V=block_v or block_size(V, 2048),
-                              BLOCK_N=block_size(N1 - 1, 1 << 16), num_warps=8 if V >= 8192 else 4)
+    _tree_accept_kernel[(B,)](
+        logits,
+        logits.stride(0),
+        logits.stride(1),
+        drafts,
+        N1 - 1,
+        parents,
+        N1 - 1,
+        n_nodes.contiguous(),
+        path,
+        path.stride(0),
+        plen,
+        bonus,
+        V,
+        BLOCK_V=block_v or block_size(V, 2048),
+        BLOCK_N=block_size(N1 - 1, 1 << 16),
+        num_warps=8 if V >= 8192 else 4,
+    )
     return path, plen, bonus
 
 
-def verify_tree(logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor,
-                n_nodes: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_tree(
+    logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, n_nodes: torch.Tensor | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(path [B, N], path_len [B], bonus [B])`` of greedy tree verification: Triton on CUDA, else torch."""
     if use_triton(logits):
         return verify_tree_triton(logits, drafts, parents, n_nodes)

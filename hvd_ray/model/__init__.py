@@ -9,8 +9,14 @@ import torch
 from .registry import DEFAULT_MODEL, ModelError, resolve
 from .transformer import ForwardOutput, KVCache, ModelConfig, Transformer
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -42,5 +48,15 @@ def load(name: str = "default", dtype: str | torch.dtype = "bfloat16", device: s
     return model, tokenizer
 
 
-__all__ = ["DEFAULT_MODEL", "ForwardOutput", "KVCache", "ModelConfig", "ModelError", "Transformer",
-           "load", "parse_device", "parse_dtype", "resolve"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "ForwardOutput",
+    "KVCache",
+    "ModelConfig",
+    "ModelError",
+    "Transformer",
+    "load",
+    "parse_device",
+    "parse_dtype",
+    "resolve",
+]

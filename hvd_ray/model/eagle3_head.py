@@ -108,28 +108,30 @@ class Eagle3Config:
 
     def to_hf(self, dtype: torch.dtype | None = None) -> dict:
         cfg = dict(self.extra)
-        cfg.update({
-            "architectures": [ARCHITECTURE],
-            "model_type": "llama",
-            "hidden_act": "silu",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "norm_before_residual": self.norm_before_residual,
-            "attention_bias": self.attention_bias,
-            "tie_word_embeddings": False,
-        })
+        cfg.update(
+            {
+                "architectures": [ARCHITECTURE],
+                "model_type": "llama",
+                "hidden_act": "silu",
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim,
+                "num_hidden_layers": 1,
+                "vocab_size": self.vocab_size,
+                "draft_vocab_size": self.draft_vocab_size,
+                "target_hidden_size": self.target_hidden_size,
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                "rms_norm_eps": self.rms_norm_eps,
+                "rope_theta": self.rope_theta,
+                "rope_scaling": self.rope_scaling,
+                "max_position_embeddings": self.max_position_embeddings,
+                "norm_before_residual": self.norm_before_residual,
+                "attention_bias": self.attention_bias,
+                "tie_word_embeddings": False,
+            }
+        )
         if dtype is not None:
             cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         return cfg
@@ -142,12 +144,31 @@ class Eagle3Config:
             raise ValueError(f"not an EAGLE-3 head: architectures = {cfg.get('architectures')}")
         if cfg.get("num_hidden_layers", 1) != 1:
             raise ValueError("only single-layer EAGLE-3 heads (num_hidden_layers = 1) are supported")
-        known = {"architectures", "model_type", "hidden_act", "hidden_size", "intermediate_size",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers",
-                 "vocab_size", "draft_vocab_size", "target_hidden_size",
-                 "eagle_aux_hidden_state_layer_ids", "rms_norm_eps", "rope_theta", "rope_scaling",
-                 "rope_parameters", "max_position_embeddings", "norm_before_residual",
-                 "attention_bias", "tie_word_embeddings", "torch_dtype", "dtype"}
+        known = {
+            "architectures",
+            "model_type",
+            "hidden_act",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_hidden_layers",
+            "vocab_size",
+            "draft_vocab_size",
+            "target_hidden_size",
+            "eagle_aux_hidden_state_layer_ids",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+            "max_position_embeddings",
+            "norm_before_residual",
+            "attention_bias",
+            "tie_word_embeddings",
+            "torch_dtype",
+            "dtype",
+        }
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or (target.rope_theta if target else 10000.0)
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -181,11 +202,18 @@ class Eagle3Config:
     def model_config(self) -> ModelConfig:
         """The head's one layer as a ``ModelConfig``: its RoPE tables and its ``KVCache`` (one
         layer, the target's cache layout) are built from it."""
-        return ModelConfig(vocab_size=self.vocab_size, dim=self.hidden_size, n_layers=1,
-                           n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads,
-                           head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-                           rope_theta=self.rope_theta, norm_eps=self.rms_norm_eps,
-                           rope_scaling=self.rope_scaling)
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            dim=self.hidden_size,
+            n_layers=1,
+            n_heads=self.num_attention_heads,
+            n_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rope_theta=self.rope_theta,
+            norm_eps=self.rms_norm_eps,
+            rope_scaling=self.rope_scaling,
+        )
 
 
 # -------------------------------------------------------------------------------------------- head
@@ -199,8 +227,16 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
-                slots: Sequence[int] = (), starts: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: KVCache | None = None,
+        slots: Sequence[int] = (),
+        starts: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
         """Attention over the cache (writing the new K/V rows), or, without a cache, plain causal
         self-attention over ``x`` (the differentiable teacher-forced path)."""
         B, T, _ = x.shape
@@ -209,8 +245,11 @@ class _Attention(nn.Module):
         v = linear(x, self.v_proj).view(B, T, self.n_kv, self.hd)
         if cache is None:
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, enable_gqa=self.n_heads != self.n_kv,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=self.n_heads != self.n_kv,
             )
             return linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.o_proj)
         span = mask.shape[-1]
@@ -228,8 +267,11 @@ class _Attention(nn.Module):
             vc[rows, :, write] = v
             keys, vals = kc[slots_t, :, :span], vc[slots_t, :, :span]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, vals,
-            attn_mask=mask.unsqueeze(1), enable_gqa=self.n_heads != self.n_kv,
+            q.transpose(1, 2),
+            keys,
+            vals,
+            attn_mask=mask.unsqueeze(1),
+            enable_gqa=self.n_heads != self.n_kv,
         )
         return linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.o_proj)
 
@@ -373,8 +415,15 @@ class Eagle3Head(nn.Module):
                 cache.lengths[s] = starts[b] + T
         return prenorm, logits
 
-    def _step(self, tokens: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, *attn_args,
-              logits_at: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    def _step(
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        *attn_args,
+        logits_at: Sequence[int] | None = None,
+    ) -> tuple[Tensor, Tensor]:
         layer = self.midlayer
         h = hidden.to(device=self.device, dtype=self.dtype)
         hn = layer.hidden_norm(h)
@@ -434,11 +483,18 @@ class Eagle3Head(nn.Module):
         if not ids or ids[0] < 0 or ids[-1] >= t.vocab_size:
             raise ValueError(f"draft vocabulary ids must be non-empty and within [0, {t.vocab_size})")
         cfg = Eagle3Config(
-            hidden_size=t.dim, intermediate_size=intermediate_size or t.intermediate_size,
-            num_attention_heads=t.n_heads, num_key_value_heads=t.n_kv_heads, head_dim=t.head_dim,
-            vocab_size=t.vocab_size, draft_vocab_size=len(ids), target_hidden_size=t.dim,
+            hidden_size=t.dim,
+            intermediate_size=intermediate_size or t.intermediate_size,
+            num_attention_heads=t.n_heads,
+            num_key_value_heads=t.n_kv_heads,
+            head_dim=t.head_dim,
+            vocab_size=t.vocab_size,
+            draft_vocab_size=len(ids),
+            target_hidden_size=t.dim,
             aux_layer_ids=tuple(aux_layer_ids or default_aux_layer_ids(t.n_layers)),
-            rms_norm_eps=t.norm_eps, rope_theta=t.rope_theta, rope_scaling=t.rope_scaling,
+            rms_norm_eps=t.norm_eps,
+            rope_theta=t.rope_theta,
+            rope_scaling=t.rope_scaling,
             max_position_embeddings=t.max_position,
         )
         head = cls(cfg, target.tok_embeddings)
@@ -458,7 +514,7 @@ class Eagle3Head(nn.Module):
                 head.lm_head.weight.copy_(target.output.weight.detach()[torch.tensor(ids)].float())
                 head.norm.weight.copy_(target.norm.weight.detach().float())
                 head.fc.weight.zero_()
-                head.fc.weight[:, 2 * H:] = torch.eye(H)  # aux ids are low, mid, high: the high tap
+                head.fc.weight[:, 2 * H :] = torch.eye(H)  # aux ids are low, mid, high: the high tap
                 head.midlayer.self_attn.o_proj.weight.zero_()
                 head.midlayer.mlp.down_proj.weight.zero_()
         head.check_target(target)
@@ -483,8 +539,10 @@ class Eagle3Head(nn.Module):
         if c.vocab_size != t.vocab_size:
             problems.append(f"vocab_size {c.vocab_size} != target vocabulary {t.vocab_size}")
         if self.embed_tokens is None and c.hidden_size != t.dim:
-            problems.append(f"hidden_size {c.hidden_size} != target embedding width {t.dim} "
-                            "(the head shares the target's embeddings)")
+            problems.append(
+                f"hidden_size {c.hidden_size} != target embedding width {t.dim} "
+                "(the head shares the target's embeddings)"
+            )
         if any(not 1 <= j <= t.n_layers for j in c.aux_layer_ids):
             problems.append(f"aux layer ids {c.aux_layer_ids} outside 1..{t.n_layers}")
         if problems:
@@ -537,8 +595,10 @@ class Eagle3Head(nn.Module):
         expected = set(head.state_dict())
         missing, unexpected = expected - set(state), set(state) - expected
         if missing or unexpected:
-            raise ValueError(f"EAGLE-3 checkpoint keys do not match: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
+            raise ValueError(
+                f"EAGLE-3 checkpoint keys do not match: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
         head.check_target(target)
         head.load_state_dict(state, strict=True)
         head = head.to(device=target.device, dtype=dtype or target.dtype).eval()
@@ -561,6 +621,7 @@ def shipped_head(target: Transformer) -> Eagle3Head:
     if digest != pin["sha256"]:
         raise ValueError(f"shipped EAGLE-3 head fails its checksum ({digest} != {pin['sha256']})")
     if target.cfg.dim != pin.get("target_hidden_size", target.cfg.dim) or target.cfg.vocab_size != pin.get(
-            "target_vocab_size", target.cfg.vocab_size):
+        "target_vocab_size", target.cfg.vocab_size
+    ):
         raise ValueError("the shipped EAGLE-3 head is for SmolLM2-135M-Instruct; pass --eagle3-head for this model")
     return Eagle3Head.load(SHIPPED_HEAD, target)

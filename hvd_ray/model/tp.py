@@ -35,8 +35,10 @@ def check_tp_size(cfg: ModelConfig, world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
     if world_size > cfg.n_kv_heads:
-        raise ValueError(f"tensor_parallel_size {world_size} exceeds the model's {cfg.n_kv_heads} KV heads: "
-                         f"each rank needs at least one whole KV head (use at most {cfg.n_kv_heads})")
+        raise ValueError(
+            f"tensor_parallel_size {world_size} exceeds the model's {cfg.n_kv_heads} KV heads: "
+            f"each rank needs at least one whole KV head (use at most {cfg.n_kv_heads})"
+        )
     if world_size > cfg.intermediate_size:
         raise ValueError(f"tensor_parallel_size {world_size} exceeds the MLP width {cfg.intermediate_size}")
 
@@ -72,8 +74,9 @@ def apply_tensor_parallel(model: Transformer, rank: int, world_size: int, group=
         return model
     if group is None:
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call init_process_group first "
-                               "or pass a process group")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_process_group first or pass a process group"
+            )
         group = dist.group.WORLD
     H, KV, D, inter = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
     G = H // KV

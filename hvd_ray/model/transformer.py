@@ -162,8 +162,9 @@ def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype, fp
             w = mod.weight.detach()
             if upcast:
                 bias = mod.bias.detach().float() if mod.bias is not None else None
-                mod.__dict__["packed"] = Packed(torch.ops.mkldnn._reorder_linear_weight(w.float(), hint), dtype,
-                                                True, bias)
+                mod.__dict__["packed"] = Packed(
+                    torch.ops.mkldnn._reorder_linear_weight(w.float(), hint), dtype, True, bias
+                )
             else:
                 mod.__dict__["packed"] = Packed(torch.ops.mkldnn._reorder_linear_weight(w, hint), dtype)
     return ok
@@ -196,7 +197,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     KV = k.shape[1]
     G = H // KV
     qg = q.to(k.dtype).reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D)
-    scores = torch.matmul(qg * (D ** -0.5), k.transpose(2, 3)).float()  # [B, KV, G*T, S]
+    scores = torch.matmul(qg * (D**-0.5), k.transpose(2, 3)).float()  # [B, KV, G*T, S]
     if bias is not None:
         scores = scores + bias
     out = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [B, KV, G*T, D]
@@ -211,8 +212,9 @@ def sdpa_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     Decode attention is memory-bound, so reading half the bytes roughly halves it on a CPU whose
     SDPA kernel is fast for one query (Xeon with AMX: docs/results-engine.md has the timings)."""
     B, T, H, D = q.shape
-    out = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask,
-                                         enable_gqa=H != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, enable_gqa=H != k.shape[1]
+    )
     return out.transpose(1, 2).reshape(B, T, H * D).to(q.dtype)
 
 
@@ -333,8 +335,9 @@ class Attention(nn.Module):
             kc[slot, :, start : start + T] = k[0].transpose(0, 1)
             vc[slot, :, start : start + T] = v[0].transpose(0, 1)
             if ctx.fresh_prefill:  # no prefix, causal: the fused SDPA kernel on the new K/V is fastest
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     is_causal=True, enable_gqa=H != KV)
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=H != KV
+                )
                 return reduce_shards(linear(out.transpose(1, 2).reshape(B, T, H * D), self.wo), self.tp_group)
             keys, vals = kc[slot : slot + 1, :, : ctx.span], vc[slot : slot + 1, :, : ctx.span]
             if ctx.pad_queries:  # the rest of a prompt after a short kept prefix, attended as a fresh
@@ -346,14 +349,16 @@ class Attention(nn.Module):
                 # kept prefix of 1.5x the chunk the padding costs more than the mask saves.
                 P = ctx.pad_queries
                 qp = torch.cat([q.new_zeros(B, P, H, D), q], 1).transpose(1, 2)
-                out = F.scaled_dot_product_attention(qp, keys.to(q.dtype), vals.to(q.dtype), is_causal=True,
-                                                     enable_gqa=H != KV)[:, :, P:]
+                out = F.scaled_dot_product_attention(
+                    qp, keys.to(q.dtype), vals.to(q.dtype), is_causal=True, enable_gqa=H != KV
+                )[:, :, P:]
                 out = out.transpose(1, 2).reshape(B, T, H * D)
                 return reduce_shards(linear(out, self.wo), self.tp_group)
             if ctx.prefix_prefill is not None:  # SDPA's fused kernel: attend's [G*T, S] scores would be
                 # materialised per layer (a 900-token rest of a prompt took 1.8x its whole fresh prefill)
-                out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, vals,
-                                                     attn_mask=ctx.prefix_prefill, enable_gqa=H != KV)
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2).to(keys.dtype), keys, vals, attn_mask=ctx.prefix_prefill, enable_gqa=H != KV
+                )
                 out = out.transpose(1, 2).reshape(B, T, H * D).to(q.dtype)
                 return reduce_shards(linear(out, self.wo), self.tp_group)
         else:
@@ -363,9 +368,15 @@ class Attention(nn.Module):
             # each run of consecutive slots reads its cache rows as a view: gathering the rows of
             # scattered slots (requests finish at different steps) would copy every layer's K/V
             # (packed rows: a run holds rows of one real length w and attends with its w queries only)
-            parts = [ctx.attend(q[r : r + b - a, :w], kc[a:b, :, :span], vc[a:b, :, :span],
-                            None if ctx.mask is None else run_bias(ctx.mask[r : r + b - a, ..., :span], T, w))
-                     for a, b, r, span, w in ctx.runs]
+            parts = [
+                ctx.attend(
+                    q[r : r + b - a, :w],
+                    kc[a:b, :, :span],
+                    vc[a:b, :, :span],
+                    None if ctx.mask is None else run_bias(ctx.mask[r : r + b - a, ..., :span], T, w),
+                )
+                for a, b, r, span, w in ctx.runs
+            ]
             if ctx.valid is not None:  # the runs' real rows, in row order: the packed layout
                 out = torch.cat([p.reshape(-1, H * D) for p in parts]).unsqueeze(0)
             else:
@@ -409,8 +420,15 @@ class KVCache:
     those cut it; it lives here, not in an engine, so engines that share a model stay correct.
     """
 
-    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 kv_heads: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_heads: int | None = None,
+    ):
         shape = (slots, kv_heads or cfg.n_kv_heads, max_len, cfg.head_dim)  # a TP rank holds only its heads
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
@@ -469,7 +487,9 @@ class KVCache:
 SPAN_WASTE = 512
 
 
-def slot_runs(slots: Sequence[int], starts: Sequence[int], widths: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
+def slot_runs(
+    slots: Sequence[int], starts: Sequence[int], widths: Sequence[int]
+) -> list[tuple[int, int, int, int, int]]:
     """``slots`` cut into runs of consecutive cache slots whose rows have the same width and similar
     spans (``SPAN_WASTE``): ``(first slot, last slot + 1, first row, key span, width)`` each, the
     span being the run's longest prefix + its width."""
@@ -527,7 +547,7 @@ class ForwardOutput:
 
     def row(self, b: int) -> Tensor:
         """Row ``b``'s logits: [T, V] padded, [n_new[b], V] packed."""
-        return self.logits[b] if self.offsets is None else self.logits[self.offsets[b]: self.offsets[b + 1]]
+        return self.logits[b] if self.offsets is None else self.logits[self.offsets[b] : self.offsets[b + 1]]
 
 
 class Transformer(nn.Module):

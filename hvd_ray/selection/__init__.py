@@ -4,5 +4,18 @@ from .features import FEATURES, SPEC, FeatureSpec, VocabFlags, features, history
 from .policy import AlwaysCache, AlwaysModel, CostPolicy, OraclePolicy, ScoreRule, TauPolicy
 from .predictor import YieldPredictor
 
-__all__ = ["FEATURES", "SPEC", "AlwaysCache", "AlwaysModel", "CostPolicy", "FeatureSpec", "OraclePolicy",
-           "ScoreRule", "TauPolicy", "VocabFlags", "YieldPredictor", "features", "history_from_steps"]
+__all__ = [
+    "FEATURES",
+    "SPEC",
+    "AlwaysCache",
+    "AlwaysModel",
+    "CostPolicy",
+    "FeatureSpec",
+    "OraclePolicy",
+    "ScoreRule",
+    "TauPolicy",
+    "VocabFlags",
+    "YieldPredictor",
+    "features",
+    "history_from_steps",
+]

@@ -41,23 +41,69 @@ import numpy as np
 
 FEATURE_VERSION = 1
 
-FLAGS = ("ws", "newline", "space_start", "punct", "open_br", "close_br", "quote", "json_delim",
-         "code", "digit", "word", "special")
+FLAGS = (
+    "ws",
+    "newline",
+    "space_start",
+    "punct",
+    "open_br",
+    "close_br",
+    "quote",
+    "json_delim",
+    "code",
+    "digit",
+    "word",
+    "special",
+)
 
 DRAFT_FEATURES = ("score", "match_len", "draft_len", "is_global", "mean_prob", "last_prob")
 POSITION_FEATURES = ("prompt_len", "generated", "rel_pos")
 HISTORY_FEATURES = ("acc_mean4", "cache_acc_mean4", "cache_rate16", "n_steps16")
-FEATURES = (DRAFT_FEATURES + POSITION_FEATURES + HISTORY_FEATURES
-            + tuple(f"last_{f}" for f in FLAGS) + tuple(f"draft_{f}" for f in FLAGS))
+FEATURES = (
+    DRAFT_FEATURES
+    + POSITION_FEATURES
+    + HISTORY_FEATURES
+    + tuple(f"last_{f}" for f in FLAGS)
+    + tuple(f"draft_{f}" for f in FLAGS)
+)
 
-HISTORY_SLICE = slice(len(DRAFT_FEATURES) + len(POSITION_FEATURES),
-                      len(DRAFT_FEATURES) + len(POSITION_FEATURES) + len(HISTORY_FEATURES))
+HISTORY_SLICE = slice(
+    len(DRAFT_FEATURES) + len(POSITION_FEATURES), len(DRAFT_FEATURES) + len(POSITION_FEATURES) + len(HISTORY_FEATURES)
+)
 _LAST = HISTORY_SLICE.stop
 _DRAFT = _LAST + len(FLAGS)
 
-CODE_WORDS = frozenset({"def", "return", "import", "from", "class", "self", "lambda", "function",
-                        "const", "let", "var", "if", "else", "elif", "for", "while", "in", "try",
-                        "except", "raise", "print", "None", "True", "False", "null", "true", "false"})
+CODE_WORDS = frozenset(
+    {
+        "def",
+        "return",
+        "import",
+        "from",
+        "class",
+        "self",
+        "lambda",
+        "function",
+        "const",
+        "let",
+        "var",
+        "if",
+        "else",
+        "elif",
+        "for",
+        "while",
+        "in",
+        "try",
+        "except",
+        "raise",
+        "print",
+        "None",
+        "True",
+        "False",
+        "null",
+        "true",
+        "false",
+    }
+)
 _OPEN, _CLOSE, _QUOTES = set("([{"), set(")]}"), set("\"'`")
 _PUNCT = set(string.punctuation) - _OPEN - _CLOSE - _QUOTES
 
@@ -84,9 +130,11 @@ class FeatureSpec:
 
     def check(self, other: FeatureSpec) -> None:
         if self != other:
-            raise ValueError(f"feature spec mismatch: artifact has v{other.version} with "
-                             f"{len(other.names)} features, code computes v{self.version} with "
-                             f"{len(self.names)}: relabel and retrain")
+            raise ValueError(
+                f"feature spec mismatch: artifact has v{other.version} with "
+                f"{len(other.names)} features, code computes v{self.version} with "
+                f"{len(self.names)}: relabel and retrain"
+            )
 
 
 SPEC = FeatureSpec()
@@ -97,18 +145,18 @@ def token_flags(text: str, special: bool = False) -> tuple[int, ...]:
     s = text.strip()
     chars = set(text)
     return (
-        int(bool(text) and not s),                            # ws
-        int("\n" in text),                                    # newline
-        int(text[:1] == " "),                                 # space_start
-        int(bool(chars & _PUNCT)),                            # punct
-        int(bool(chars & _OPEN)),                             # open_br
-        int(bool(chars & _CLOSE)),                            # close_br
-        int(bool(chars & _QUOTES)),                           # quote
-        int(":" in text or "," in text),                      # json_delim
-        int("```" in text or s in CODE_WORDS),                # code
-        int(any(c.isdigit() for c in text)),                  # digit
-        int(s.isalpha()),                                     # word
-        int(special),                                         # special
+        int(bool(text) and not s),  # ws
+        int("\n" in text),  # newline
+        int(text[:1] == " "),  # space_start
+        int(bool(chars & _PUNCT)),  # punct
+        int(bool(chars & _OPEN)),  # open_br
+        int(bool(chars & _CLOSE)),  # close_br
+        int(bool(chars & _QUOTES)),  # quote
+        int(":" in text or "," in text),  # json_delim
+        int("```" in text or s in CODE_WORDS),  # code
+        int(any(c.isdigit() for c in text)),  # digit
+        int(s.isalpha()),  # word
+        int(special),  # special
     )
 
 
@@ -121,8 +169,9 @@ class VocabFlags:
         self.table = np.ascontiguousarray(table, dtype=np.float32)
 
     @classmethod
-    def from_texts(cls, texts: Sequence[str], special_ids: Iterable[int] = (),
-                   vocab_size: int | None = None) -> VocabFlags:
+    def from_texts(
+        cls, texts: Sequence[str], special_ids: Iterable[int] = (), vocab_size: int | None = None
+    ) -> VocabFlags:
         """Flags of ``texts[i]`` for token i; rows past ``len(texts)`` (up to ``vocab_size``) are 0."""
         n = max(len(texts), vocab_size or 0)
         table = np.zeros((n, len(FLAGS)), np.float32)
@@ -181,8 +230,9 @@ def history_features(history: History) -> np.ndarray:
     return np.array([acc4, cacc4, rate, len(win)], np.float32)
 
 
-def features(draft, *, prompt_len: int, generated: int, max_tokens: int, last_token: int,
-             history: History, flags: VocabFlags) -> np.ndarray:
+def features(
+    draft, *, prompt_len: int, generated: int, max_tokens: int, last_token: int, history: History, flags: VocabFlags
+) -> np.ndarray:
     """φ_t for one request at one step (see the module docstring for every entry).
 
     ``draft`` is the cache drafter's draft for this step (a ``Draft``; possibly empty),
@@ -214,6 +264,17 @@ def with_history(phi: np.ndarray, history: History) -> np.ndarray:
     return out
 
 
-__all__ = ["FEATURES", "FEATURE_VERSION", "FLAGS", "FeatureSpec", "HISTORY_SLICE", "SPEC",
-           "VocabFlags", "features", "history_features", "history_from_steps", "token_flags",
-           "with_history"]
+__all__ = [
+    "FEATURES",
+    "FEATURE_VERSION",
+    "FLAGS",
+    "FeatureSpec",
+    "HISTORY_SLICE",
+    "SPEC",
+    "VocabFlags",
+    "features",
+    "history_features",
+    "history_from_steps",
+    "token_flags",
+    "with_history",
+]

@@ -63,10 +63,21 @@ def eagle3_accept_prior(head: str | Path | None = None) -> float | None:
     return accept - 1.0 if accept else None
 
 
-def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = None, tau: float = 6.0,
-              model_drafter: str = "layerskip", eagle3_head: str | None = None, slots: int = 8,
-              max_len: int = 2048, cache=None, draft_model: str | None = None,
-              measure_costs: bool = True) -> tuple[list, Policy]:
+def build_hvd(
+    model,
+    tokenizer,
+    *,
+    policy: str = "tau",
+    predictor: str | None = None,
+    tau: float = 6.0,
+    model_drafter: str = "layerskip",
+    eagle3_head: str | None = None,
+    slots: int = 8,
+    max_len: int = 2048,
+    cache=None,
+    draft_model: str | None = None,
+    measure_costs: bool = True,
+) -> tuple[list, Policy]:
     """(drafters for the Engine, the policy to pass as ``Engine(policy=...)``). ``cache``: the suffix
     drafter to use (default a fresh in-process one; serving passes its actor proxy).
     ``measure_costs``: the cost policy times the target's forward on this hardware (a few seconds,
@@ -74,8 +85,9 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     cache = cache if cache is not None else SuffixDrafter(suffix_config(policy))
-    drafter = make_drafter(model_drafter, model, eagle3_head=eagle3_head, draft_model=draft_model, slots=slots,
-                           max_len=max_len)
+    drafter = make_drafter(
+        model_drafter, model, eagle3_head=eagle3_head, draft_model=draft_model, slots=slots, max_len=max_len
+    )
     flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)
     if policy in ("tau", *COST_POLICIES):
         g, union = load_predictor(predictor), policy == "cost-union"
@@ -87,8 +99,16 @@ def build_hvd(model, tokenizer, *, policy: str = "tau", predictor: str | None = 
             # ~0.1-0.15 here). The acceptance prior is the training report's all-positions figure,
             # an optimistic one (prompts included): every request then tries the head early, and its
             # own model steps take over after a few (CostPolicy.request_model).
-            pol = CostPolicy(g, cache, drafter, flags, model_token_cost=EAGLE3_TOKEN_COST, cost_table=costs,
-                             model_accept=eagle3_accept_prior(eagle3_head), union=union)
+            pol = CostPolicy(
+                g,
+                cache,
+                drafter,
+                flags,
+                model_token_cost=EAGLE3_TOKEN_COST,
+                cost_table=costs,
+                model_accept=eagle3_accept_prior(eagle3_head),
+                union=union,
+            )
         else:
             pol = CostPolicy(g, cache, drafter, flags, cost_table=costs, union=union)
     elif policy == "score":

@@ -97,11 +97,11 @@ def model_curve(m: float, k: float) -> list[float]:
     lo, hi = 0.0, 1.0
     for _ in range(30):  # the sum grows with a: bisect
         mid = (lo + hi) / 2
-        if sum(mid ** j for j in range(1, k + 1)) < m:
+        if sum(mid**j for j in range(1, k + 1)) < m:
             lo = mid
         else:
             hi = mid
-    return [lo ** j for j in range(1, k + 1)]
+    return [lo**j for j in range(1, k + 1)]
 
 
 def union_yield(cache: Sequence[float], model: Sequence[float]) -> float:
@@ -199,14 +199,29 @@ class Policy(abc.ABC):
         long_budget = max(budget, engine.draft_budget(req, self.cache))
         long = self.cache.speculate(req.req_id, long_budget)
         draft = nominal(long, min(budget, unextended(long, self.cache)))
-        phi = (features(draft, prompt_len=len(req.prompt), generated=len(req.output),
-                        max_tokens=req.params.max_tokens, last_token=req.tokens[-1],
-                        history=history_from_steps(req.stats.steps), flags=self.flags)
-               if self.needs_phi else np.zeros(0, np.float32))
+        phi = (
+            features(
+                draft,
+                prompt_len=len(req.prompt),
+                generated=len(req.output),
+                max_tokens=req.params.max_tokens,
+                last_token=req.tokens[-1],
+                history=history_from_steps(req.stats.steps),
+                flags=self.flags,
+            )
+            if self.needs_phi
+            else np.zeros(0, np.float32)
+        )
         model_len = min(self.model_depth, budget) if self.model is not None else 0
-        view = StepView(phi, len(draft), model_len, cache_long=len(long),
-                        batch=getattr(engine, "decoding_batch", 1), cache_probs=long.probs,
-                        context=len(req.prompt) + len(req.output))
+        view = StepView(
+            phi,
+            len(draft),
+            model_len,
+            cache_long=len(long),
+            batch=getattr(engine, "decoding_batch", 1),
+            cache_probs=long.probs,
+            context=len(req.prompt) + len(req.output),
+        )
         return view, draft, long
 
     def __call__(self, req: Request, engine: Engine) -> Choice:
@@ -222,8 +237,9 @@ class Policy(abc.ABC):
         draft = self.cache.speculate(req.req_id, engine.draft_budget(req, self.cache), offset=0.0)
         return Choice(self.cache, draft.truncated(unextended(draft, self.cache)))
 
-    def _choice(self, choice: str, predicted: float | None, draft: Draft, take: int | None = None,
-                take_union: int | None = None) -> Choice:
+    def _choice(
+        self, choice: str, predicted: float | None, draft: Draft, take: int | None = None, take_union: int | None = None
+    ) -> Choice:
         if choice == CACHE:
             return Choice(self.cache, draft if take is None else draft.truncated(take), predicted)
         if choice == UNION and self.model is not None:
@@ -273,8 +289,7 @@ class TauPolicy(Policy):
 
     name = "tau"
 
-    def __init__(self, predictor: YieldPredictor, cache=None, model=None, flags=None,
-                 tau: float = 6.0):
+    def __init__(self, predictor: YieldPredictor, cache=None, model=None, flags=None, tau: float = 6.0):
         super().__init__(cache, model, flags)
         self.predictor, self.tau = predictor, tau
 
@@ -336,11 +351,20 @@ class CostPolicy(Policy):
 
     name = "cost"
 
-    def __init__(self, predictor: YieldPredictor, cache=None, model=None, flags=None, *,
-                 cost_table: dict[int, float] | StepCosts = VERIFY_COST,
-                 model_token_cost: float = LAYERSKIP_TOKEN_COST,
-                 model_accept: float | None = None, adapt: float = 0.05, prior_steps: float = 2.0,
-                 union: bool = False):
+    def __init__(
+        self,
+        predictor: YieldPredictor,
+        cache=None,
+        model=None,
+        flags=None,
+        *,
+        cost_table: dict[int, float] | StepCosts = VERIFY_COST,
+        model_token_cost: float = LAYERSKIP_TOKEN_COST,
+        model_accept: float | None = None,
+        adapt: float = 0.05,
+        prior_steps: float = 2.0,
+        union: bool = False,
+    ):
         super().__init__(cache, model, flags)
         self.union = union
         self.costs = cost_table if isinstance(cost_table, StepCosts) else StepCosts(dict(cost_table))
@@ -413,8 +437,14 @@ class CostPolicy(Policy):
             y = self.tree_yield(view, L0, key)
         return extended(y, L0, take)
 
-    def rates(self, view: StepView, y: float, tree: str | None = None,
-              model_accept: float | None = None, model_len: float | None = None) -> dict[str, float]:
+    def rates(
+        self,
+        view: StepView,
+        y: float,
+        tree: str | None = None,
+        model_accept: float | None = None,
+        model_len: float | None = None,
+    ) -> dict[str, float]:
         # the batch's tokens per unit of forward time, this row drafting and the others not (a packed
         # forward: each row pays for its own tokens); at batch 1, this row's own rate
         B = max(1, view.batch)
@@ -486,7 +516,9 @@ class CostPolicy(Policy):
             return
         ema = lambda old, x: x if old is None else (1 - a) * old + a * x  # noqa: E731
         if rec.verify_s > 0:
-            self.forward_s = ema(self.forward_s, rec.verify_s / self.costs.per_row(1 + rec.drafted, self._batch, rec.context))
+            self.forward_s = ema(
+                self.forward_s, rec.verify_s / self.costs.per_row(1 + rec.drafted, self._batch, rec.context)
+            )
         own = self.model_step(rec)
         if own is not None:
             self.model_accept = ema(self.model_accept, float(own[0]))
@@ -501,8 +533,14 @@ class CostPolicy(Policy):
                     cur = max(1.0, self.model_len_seen) * self.model_token_cost
                 self.model_draft_cost = ema(cur, min(rec.draft_s / self.forward_s, 3.0 * cur))
 
-    def learn_cache(self, key: str, accepted: float, predicted: float, tree_mass: float | None = None,
-                    nominal: tuple[float, float] | None = None) -> None:
+    def learn_cache(
+        self,
+        key: str,
+        accepted: float,
+        predicted: float,
+        tree_mass: float | None = None,
+        nominal: tuple[float, float] | None = None,
+    ) -> None:
         """Fold one cache-draft outcome into its bucket: ``accepted`` tokens where the (uncalibrated)
         prediction was ``predicted`` and the draft's tree probabilities summed to ``tree_mass``.
         ``nominal``: (accepted, tree mass) within the window ŷ describes, when the draft reached
@@ -557,12 +595,16 @@ class CostPolicy(Policy):
                 window = min(len(draft), len(emitted))
             if window > 0:
                 w0 = min(window, L0)
-                self.learn_cache(key, float(got), min(max(y, 0.0), float(w0)), float(sum(draft.probs[:window])),
-                                 nominal=(float(min(got, w0)), float(sum(draft.probs[:w0]))))
+                self.learn_cache(
+                    key,
+                    float(got),
+                    min(max(y, 0.0), float(w0)),
+                    float(sum(draft.probs[:window])),
+                    nominal=(float(min(got, w0)), float(sum(draft.probs[:w0]))),
+                )
         self._shadow[req.req_id] = waiting[::-1]
 
-    def decide(self, view, tree: str | None = None, model_accept: float | None = None,
-               model_len: float | None = None):
+    def decide(self, view, tree: str | None = None, model_accept: float | None = None, model_len: float | None = None):
         y = float(self.predictor.predict(view.phi)) if view.cache_len > 0 else 0.0
         r = self.rates(view, y, tree, model_accept, model_len)
         return max(r, key=r.get), y
@@ -612,7 +654,8 @@ class CostPolicy(Policy):
         if not len(long):
             return
         self._shadow.setdefault(req_id, []).append(
-            (long, y, key, generated, view.take, view.cache_len, max(tree_depths(long.parents))))
+            (long, y, key, generated, view.take, view.cache_len, max(tree_depths(long.parents)))
+        )
         self._shadow.move_to_end(req_id)
         while len(self._shadow) > 1024:  # finished requests age out
             self._shadow.popitem(last=False)
@@ -655,6 +698,23 @@ class OraclePolicy(Policy):
         raise RuntimeError("OraclePolicy is for offline comparison (it reads the labels)")
 
 
-__all__ = ["AlwaysCache", "AlwaysModel", "CACHE", "CostPolicy", "LAYERSKIP_TOKEN_COST", "MODEL",
-           "NONE", "UNION", "OraclePolicy", "Policy", "ScoreRule", "StepView", "TauPolicy", "VERIFY_COST",
-           "draft_budget", "matched", "nominal", "verify_cost"]
+__all__ = [
+    "AlwaysCache",
+    "AlwaysModel",
+    "CACHE",
+    "CostPolicy",
+    "LAYERSKIP_TOKEN_COST",
+    "MODEL",
+    "NONE",
+    "UNION",
+    "OraclePolicy",
+    "Policy",
+    "ScoreRule",
+    "StepView",
+    "TauPolicy",
+    "VERIFY_COST",
+    "draft_budget",
+    "matched",
+    "nominal",
+    "verify_cost",
+]

@@ -24,8 +24,15 @@ WEIGHTS_FILE, META_FILE = "predictor.npz", "predictor.json"
 class YieldPredictor:
     """``predict(phi)``: ŷ for one φ (1-D, returns a float) or a batch (2-D, returns an array)."""
 
-    def __init__(self, weights: Sequence[np.ndarray], biases: Sequence[np.ndarray], mean: np.ndarray,
-                 scale: np.ndarray, spec: FeatureSpec = SPEC, meta: dict | None = None):
+    def __init__(
+        self,
+        weights: Sequence[np.ndarray],
+        biases: Sequence[np.ndarray],
+        mean: np.ndarray,
+        scale: np.ndarray,
+        spec: FeatureSpec = SPEC,
+        meta: dict | None = None,
+    ):
         if len(weights) != len(biases) or not weights:
             raise ValueError("need one bias per weight matrix")
         self.spec, self.meta = spec, dict(meta or {})
@@ -58,8 +65,9 @@ class YieldPredictor:
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
-    def from_sklearn(cls, mlp, mean: np.ndarray, scale: np.ndarray, spec: FeatureSpec = SPEC,
-                     meta: dict | None = None) -> YieldPredictor:
+    def from_sklearn(
+        cls, mlp, mean: np.ndarray, scale: np.ndarray, spec: FeatureSpec = SPEC, meta: dict | None = None
+    ) -> YieldPredictor:
         """From a fitted ``MLPRegressor`` (ReLU hidden layers, identity output) and the
         ``StandardScaler`` statistics it was trained behind."""
         if getattr(mlp, "activation", "relu") != "relu" or getattr(mlp, "out_activation_", "identity") != "identity":

@@ -21,18 +21,36 @@ import time
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hvd_ray.serving", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m hvd_ray.serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", default=None, help="a Serve config file (applications[0].args are used)")
     p.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--address", default=None, help="Ray address to join (default: start a local instance)")
     p.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray instance")
-    p.add_argument("--drain-timeout", type=float, default=None, dest="graceful_shutdown_timeout_s",
-                   help="seconds in-flight requests may take to finish on SIGTERM / Ctrl-C (default 60)")
-    for flag, kind in [("model", str), ("drafter", str), ("dtype", str), ("device", str), ("max-batch", int),
-                       ("max-model-len", int), ("max-tokens", int), ("api-key", str), ("torch-threads", int),
-                       ("served-model-name", str), ("num-replicas", int), ("policy", str), ("model-drafter", str)]:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        dest="graceful_shutdown_timeout_s",
+        help="seconds in-flight requests may take to finish on SIGTERM / Ctrl-C (default 60)",
+    )
+    for flag, kind in [
+        ("model", str),
+        ("drafter", str),
+        ("dtype", str),
+        ("device", str),
+        ("max-batch", int),
+        ("max-model-len", int),
+        ("max-tokens", int),
+        ("api-key", str),
+        ("torch-threads", int),
+        ("served-model-name", str),
+        ("num-replicas", int),
+        ("policy", str),
+        ("model-drafter", str),
+    ]:
         p.add_argument(f"--{flag}", type=kind, default=None)
     return p.parse_args(argv)
 
@@ -56,9 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args, http = _from_file(a.config) if a.config else ({}, {})
-    for key in ("model", "drafter", "dtype", "device", "max_batch", "max_model_len", "max_tokens", "api_key",
-                "torch_threads", "served_model_name", "num_replicas", "policy", "model_drafter",
-                "graceful_shutdown_timeout_s"):
+    for key in (
+        "model",
+        "drafter",
+        "dtype",
+        "device",
+        "max_batch",
+        "max_model_len",
+        "max_tokens",
+        "api_key",
+        "torch_threads",
+        "served_model_name",
+        "num_replicas",
+        "policy",
+        "model_drafter",
+        "graceful_shutdown_timeout_s",
+    ):
         if getattr(a, key) is not None:
             args[key] = getattr(a, key)
     if a.num_replicas is not None:
@@ -66,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     key = args.pop("api_key", None)
     if key:
         if a.address:
-            print("error: with --address the key must be in the cluster's environment: export HVD_RAY_API_KEY "
-                  "where its nodes start (the key is never passed in application args)", file=sys.stderr)
+            print(
+                "error: with --address the key must be in the cluster's environment: export HVD_RAY_API_KEY "
+                "where its nodes start (the key is never passed in application args)",
+                file=sys.stderr,
+            )
             return 2
         os.environ["HVD_RAY_API_KEY"] = key  # inherited by the local Ray instance's workers
     host = a.host or http.get("host") or "127.0.0.1"
@@ -85,8 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    ray.init(address=a.address or "local", num_cpus=a.num_cpus, include_dashboard=False,
-             namespace="serve", log_to_driver=True)
+    ray.init(
+        address=a.address or "local",
+        num_cpus=a.num_cpus,
+        include_dashboard=False,
+        namespace="serve",
+        log_to_driver=True,
+    )
     try:
         serve.start(http_options={"host": host, "port": int(port)})
         serve.run(build_app(cfg), name="hvd", route_prefix="/")
@@ -97,16 +136,22 @@ def main(argv: list[str] | None = None) -> int:
             auth = f' -H "Authorization: Bearer {ref}"'
         else:
             auth = ""
-        print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 64}'", flush=True)
+        print(
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            '-d \'{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64}\'',
+            flush=True,
+        )
         signal.signal(signal.SIGTERM, _interrupt)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the drain short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print(f"draining: in-flight requests may finish (up to {cfg.graceful_shutdown_timeout_s:.0f} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"draining: in-flight requests may finish (up to {cfg.graceful_shutdown_timeout_s:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         _drain()
         print("shutting down", file=sys.stderr, flush=True)
     finally:

@@ -30,8 +30,12 @@ def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application
     # Bounded queues: the ingress's handle queues at most replica_max_queued() requests for the model
     # replicas (BackPressureError -> the ingress's 503 + Retry-After), the HTTP proxy at most
     # ingress_max_queued_requests for the ingress (Serve's own 503 + Retry-After).
-    opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": cfg.replica_max_ongoing(),
-                            "max_queued_requests": cfg.replica_max_queued(), **drain}
+    opts: dict[str, Any] = {
+        "ray_actor_options": actor,
+        "max_ongoing_requests": cfg.replica_max_ongoing(),
+        "max_queued_requests": cfg.replica_max_queued(),
+        **drain,
+    }
     if cfg.autoscaling_config is not None:
         auto = {"target_ongoing_requests": cfg.max_batch, **cfg.autoscaling_config}
         opts["autoscaling_config"] = auto
@@ -39,7 +43,11 @@ def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application
         opts["num_replicas"] = cfg.num_replicas or 1
     replica = ModelReplica.options(**opts).bind(conf)
     ingress = OpenAIIngress.options(
-        ray_actor_options=dict(cfg.ingress_ray_actor_options), num_replicas=cfg.ingress_num_replicas,
-        max_ongoing_requests=cfg.ingress_max_ongoing_requests, max_queued_requests=cfg.ingress_max_queued_requests,
-        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s), **drain)
+        ray_actor_options=dict(cfg.ingress_ray_actor_options),
+        num_replicas=cfg.ingress_num_replicas,
+        max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+        max_queued_requests=cfg.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s),
+        **drain,
+    )
     return ingress.bind(replica, conf)

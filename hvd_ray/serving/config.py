@@ -27,10 +27,12 @@ def _spec(name: str, default: Any = ..., **constraints: Any) -> Any:
 # Where the retired vLLM backend of this app (``backend: vllm`` and its ``vllm_*`` fields) moved: a
 # config that still sets ``backend`` or a ``vllm_*`` key is refused with this, not with pydantic's
 # generic "extra inputs are not permitted" (no field of this model starts with ``vllm_``).
-VLLM_MOVED = ("to serve with vLLM, run vLLM's own OpenAI server with hvd-ray's plug-in (`python -m "
-              "vllm.entrypoints.openai.api_server --model M --enforce-eager --speculative-config "
-              "'{\"method\": \"hvd\", \"num_speculative_tokens\": 32}'`) or Ray Serve LLM "
-              "(`serve run configs/serve_llm_hvd.yaml`): docs/vllm.md")
+VLLM_MOVED = (
+    "to serve with vLLM, run vLLM's own OpenAI server with hvd-ray's plug-in (`python -m "
+    "vllm.entrypoints.openai.api_server --model M --enforce-eager --speculative-config "
+    '\'{"method": "hvd", "num_speculative_tokens": 32}\'`) or Ray Serve LLM '
+    "(`serve run configs/serve_llm_hvd.yaml`): docs/vllm.md"
+)
 
 
 class ServingConfig(BaseModel):
@@ -53,57 +55,108 @@ class ServingConfig(BaseModel):
     predictor: str | None = _spec("predictor")
     slim: str | None = _spec("slim")
     slim_mode: str = _spec("slim_mode", pattern="^(lossless|tiered)$")
-    suffix_actor: bool = Field(True, description="suffix trees live in a shared CPU actor (serving/suffix_actor.py) "
-                               "instead of inside each replica")
-    suffix_actor_mode: str = Field("mirror", pattern="^(mirror|remote)$",
-                                   description="mirror: draft from local trees, exchange finished outputs with the "
-                                   "actor in the background | remote: the actor holds the request trees and "
-                                   "drafts for the whole batch once per step")
+    suffix_actor: bool = Field(
+        True,
+        description="suffix trees live in a shared CPU actor (serving/suffix_actor.py) instead of inside each replica",
+    )
+    suffix_actor_mode: str = Field(
+        "mirror",
+        pattern="^(mirror|remote)$",
+        description="mirror: draft from local trees, exchange finished outputs with the "
+        "actor in the background | remote: the actor holds the request trees and "
+        "drafts for the whole batch once per step",
+    )
     suffix_history: str | None = _spec("suffix_history")
     prefix_reuse: bool = _spec("prefix_reuse")
     reuse_slots: int = _spec("reuse_slots", 4, ge=0, le=256)
-    suffix_actor_name: str = Field("hvd-suffix-drafter", description="base name of that actor; its full name adds "
-                                   "a digest of the model, the suffix config and the history, so a redeploy of "
-                                   "another model or config never reuses another's trees")
+    suffix_actor_name: str = Field(
+        "hvd-suffix-drafter",
+        description="base name of that actor; its full name adds "
+        "a digest of the model, the suffix config and the history, so a redeploy of "
+        "another model or config never reuses another's trees",
+    )
 
     # --- engine limits
     max_batch: int = _spec("max_batch", 4, ge=1, le=256)
     max_model_len: int = _spec("max_len", ge=16)
     max_tokens: int = Field(1024, ge=1, description="the largest `max_tokens` a request may ask for (and the default)")
-    torch_threads: int | None = Field(None, ge=1, description="torch threads per replica (capped by the core "
-                                      "count); default: all cores but one, which Serve's HTTP proxy, the "
-                                      "ingress and the clients need (with a torch thread on every core, any of "
-                                      "them running stalls every forward)")
-    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is sharded over (rank actors in a "
-                                      "placement group, gloo on CPU / NCCL on GPU); at most the model's KV heads")
-    tp_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1},
-                                                 description="Ray resources of each tensor-parallel rank actor")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per replica (capped by the core "
+        "count); default: all cores but one, which Serve's HTTP proxy, the "
+        "ingress and the clients need (with a torch thread on every core, any of "
+        "them running stalls every forward)",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks the model is sharded over (rank actors in a "
+        "placement group, gloo on CPU / NCCL on GPU); at most the model's KV heads",
+    )
+    tp_ray_actor_options: dict[str, Any] = Field(
+        default_factory=lambda: {"num_cpus": 1}, description="Ray resources of each tensor-parallel rank actor"
+    )
 
     # --- HTTP
-    api_key: str | None = Field(None, description="never set here (Serve shows and logs an application's args): "
-                                "the key comes from the env HVD_RAY_API_KEY or api_key_file, which the ingress "
-                                "reads itself; `python -m hvd_ray.serving --api-key` moves it into that env")
-    api_key_file: str | None = Field(None, description="a file on the ingress's node holding the key that requests "
-                                     "must carry (`Authorization: Bearer <key>`), e.g. a mounted secret")
-    max_request_bytes: int = Field(4 * 2**20, ge=1024, description="largest request body; larger ones get a 413 "
-                                   "before they are parsed (from Content-Length, or while reading)")
-    max_prompt_chars: int | None = Field(None, ge=1, description="largest prompt (or sum of message texts) in "
-                                         "characters, refused before tokenising (default: 32 x max_model_len)")
+    api_key: str | None = Field(
+        None,
+        description="never set here (Serve shows and logs an application's args): "
+        "the key comes from the env HVD_RAY_API_KEY or api_key_file, which the ingress "
+        "reads itself; `python -m hvd_ray.serving --api-key` moves it into that env",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="a file on the ingress's node holding the key that requests "
+        "must carry (`Authorization: Bearer <key>`), e.g. a mounted secret",
+    )
+    max_request_bytes: int = Field(
+        4 * 2**20,
+        ge=1024,
+        description="largest request body; larger ones get a 413 "
+        "before they are parsed (from Content-Length, or while reading)",
+    )
+    max_prompt_chars: int | None = Field(
+        None,
+        ge=1,
+        description="largest prompt (or sum of message texts) in "
+        "characters, refused before tokenising (default: 32 x max_model_len)",
+    )
 
     # --- admission control and deadlines (an overloaded server refuses at once instead of queueing forever)
-    max_queued_requests: int | None = Field(None, ge=1, description="requests each ingress replica queues for the "
-                                            "model replicas beyond the ones they run; past it a request gets a "
-                                            "503 with Retry-After at once (default: 4 x max_batch)")
+    max_queued_requests: int | None = Field(
+        None,
+        ge=1,
+        description="requests each ingress replica queues for the "
+        "model replicas beyond the ones they run; past it a request gets a "
+        "503 with Retry-After at once (default: 4 x max_batch)",
+    )
     retry_after_s: int = Field(5, ge=1, description="the Retry-After (seconds) sent with an overload 503")
-    first_token_timeout_s: float = Field(60.0, gt=0, description="a request without its first token this long "
-                                         "after it arrived (queued, or in prefill) is dropped with a 503 and "
-                                         "Retry-After")
-    request_timeout_s: float = Field(600.0, gt=0, description="a request still generating this long after it "
-                                     "arrived is cut: a 504 (or an error event ending its stream)")
-    body_timeout_s: float = Field(10.0, gt=0, description="the whole request body must arrive within this "
-                                  "time, else a 408 (slow or stalled uploads cannot pin the ingress)")
-    step_timeout_s: float = Field(60.0, gt=0, description="a replica whose engine has work but has not finished "
-                                  "a step for this long reports unhealthy, and Serve replaces it")
+    first_token_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a request without its first token this long "
+        "after it arrived (queued, or in prefill) is dropped with a 503 and "
+        "Retry-After",
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="a request still generating this long after it "
+        "arrived is cut: a 504 (or an error event ending its stream)",
+    )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the whole request body must arrive within this "
+        "time, else a 408 (slow or stalled uploads cannot pin the ingress)",
+    )
+    step_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a replica whose engine has work but has not finished "
+        "a step for this long reports unhealthy, and Serve replaces it",
+    )
 
     # --- Ray Serve deployment options
     num_replicas: int | None = Field(None, ge=1, description="fixed replica count (instead of autoscaling_config)")
@@ -112,12 +165,20 @@ class ServingConfig(BaseModel):
     max_ongoing_requests: int | None = Field(None, ge=1, description="per replica (default: 2 x max_batch)")
     ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     ingress_num_replicas: int = Field(1, ge=1)
-    ingress_max_ongoing_requests: int = Field(1024, ge=1, description="HTTP requests one ingress replica holds at "
-                                              "once (reading bodies, waiting, streaming)")
-    ingress_max_queued_requests: int = Field(256, ge=1, description="requests Serve's HTTP proxy queues for a full "
-                                             "ingress; past it the proxy answers 503 with Retry-After")
-    graceful_shutdown_timeout_s: float = Field(60.0, ge=0, description="on shutdown (SIGTERM, serve delete, "
-                                               "scale-down) a replica waits this long for requests in flight")
+    ingress_max_ongoing_requests: int = Field(
+        1024, ge=1, description="HTTP requests one ingress replica holds at once (reading bodies, waiting, streaming)"
+    )
+    ingress_max_queued_requests: int = Field(
+        256,
+        ge=1,
+        description="requests Serve's HTTP proxy queues for a full "
+        "ingress; past it the proxy answers 503 with Retry-After",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="on shutdown (SIGTERM, serve delete, scale-down) a replica waits this long for requests in flight",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -125,9 +186,10 @@ class ServingConfig(BaseModel):
         if isinstance(data, dict):
             gone = [k for k in data if k == "backend" or isinstance(k, str) and k.startswith("vllm_")]
             if gone:
-                raise ValueError(f"`backend: vllm` was removed, with backend and the vllm_* fields (this config "
-                                 f"sets {', '.join(gone)}): this app runs hvd-ray's own engine, so drop them; "
-                                 + VLLM_MOVED)
+                raise ValueError(
+                    f"`backend: vllm` was removed, with backend and the vllm_* fields (this config "
+                    f"sets {', '.join(gone)}): this app runs hvd-ray's own engine, so drop them; " + VLLM_MOVED
+                )
         return data
 
     @field_validator("drafter")
@@ -158,8 +220,10 @@ class ServingConfig(BaseModel):
     @classmethod
     def _no_key_in_args(cls, v: str | None) -> str | None:
         if v is not None:
-            raise ValueError("api_key may not be set in the application's args (Serve shows and logs them): "
-                             "export HVD_RAY_API_KEY where Ray starts, or set api_key_file to a file holding it")
+            raise ValueError(
+                "api_key may not be set in the application's args (Serve shows and logs them): "
+                "export HVD_RAY_API_KEY where Ray starts, or set api_key_file to a file holding it"
+            )
         return v
 
     @model_validator(mode="after")
@@ -171,16 +235,25 @@ class ServingConfig(BaseModel):
         if self.drafter == "draft-model" and not self.draft_model:
             raise ValueError("drafter 'draft-model' needs draft_model (a folder sharing the tokenizer)")
         if self.drafter == "hvd" and self.model_drafter not in DRAFTERS or self.model_drafter == "suffix":
-            raise ValueError(f"model_drafter must be one of eagle3, layerskip, draft-model, none; got {self.model_drafter!r}")
-        if (self.drafter == "eagle3" or self.drafter == "hvd" and self.model_drafter == "eagle3") and \
-                self.model.lower() not in ALIASES and not self.eagle3_head:
-            raise ValueError("the shipped EAGLE-3 head fits the default model only: set eagle3_head, or "
-                             "model_drafter: layerskip, or drafter: suffix")
+            raise ValueError(
+                f"model_drafter must be one of eagle3, layerskip, draft-model, none; got {self.model_drafter!r}"
+            )
+        if (
+            (self.drafter == "eagle3" or self.drafter == "hvd" and self.model_drafter == "eagle3")
+            and self.model.lower() not in ALIASES
+            and not self.eagle3_head
+        ):
+            raise ValueError(
+                "the shipped EAGLE-3 head fits the default model only: set eagle3_head, or "
+                "model_drafter: layerskip, or drafter: suffix"
+            )
         return self
 
     def engine_spec(self) -> EngineSpec:
         """What the replica's engine decodes with (``hvd_ray.build``), from this config's fields."""
-        given = {name: getattr(self, name) for name in EngineSpec.__dataclass_fields__ if name in type(self).model_fields}
+        given = {
+            name: getattr(self, name) for name in EngineSpec.__dataclass_fields__ if name in type(self).model_fields
+        }
         return EngineSpec(**given, max_len=self.max_model_len)
 
     def threads(self) -> int:

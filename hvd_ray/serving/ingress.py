@@ -25,7 +25,6 @@ whose view comes from each replica's own ``check_health`` (the engine loop's pub
 never by queueing behind generation.
 """
 
-
 import asyncio
 import hmac
 import json
@@ -49,8 +48,13 @@ logger = logging.getLogger("ray.serve")
 HEALTH_CACHE_S = 0.5  # /health answers from a controller status at most this old
 
 # The docs routes are added below, behind the API key (FastAPI's own would serve them to anyone).
-api = FastAPI(title="hvd-ray", description="OpenAI-compatible endpoint served by hvd-ray on Ray Serve",
-              docs_url=None, redoc_url=None, openapi_url=None)
+api = FastAPI(
+    title="hvd-ray",
+    description="OpenAI-compatible endpoint served by hvd-ray on Ray Serve",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+)
 
 
 class _JSON(JSONResponse):
@@ -72,8 +76,9 @@ def _validation_error(errors: list[dict]) -> P.APIError:
         if err.get("type") == "json_invalid":
             return P.APIError(400, f"malformed JSON body: {err.get('msg', '')}".rstrip(": "), code="invalid_json")
         if err.get("type") == "extra_forbidden" and loc:
-            return P.APIError(400, f"{loc[0]} is not supported by this server", param=loc[0],
-                              code="unsupported_parameter")
+            return P.APIError(
+                400, f"{loc[0]} is not supported by this server", param=loc[0], code="unsupported_parameter"
+            )
         if param is None and loc:
             param = loc[0]
         msgs.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
@@ -94,8 +99,9 @@ async def _request_validation(_: Request, e: RequestValidationError) -> JSONResp
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed", 401: "invalid_api_key"}.get(e.status_code)
     etype = "invalid_request_error" if e.status_code < 500 else "server_error"
-    return _JSON(P.error_body(str(e.detail), etype, None, code), status_code=e.status_code,
-                 headers=getattr(e, "headers", None))
+    return _JSON(
+        P.error_body(str(e.detail), etype, None, code), status_code=e.status_code, headers=getattr(e, "headers", None)
+    )
 
 
 @api.exception_handler(Exception)
@@ -115,8 +121,10 @@ def _openapi() -> dict:
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         comps.update(js.pop("$defs", {}))
         comps[model.__name__] = js
-        doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
     doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     doc["security"] = [{"bearer": []}]
     api.openapi_schema = doc
@@ -141,11 +149,17 @@ def _replica_failed(e: BaseException, retry_after_s: int = 5) -> P.APIError:
         return P.overloaded("the server is at capacity (its request queue is full); retry later", retry_after_s)
     logger.warning("model replica call failed: %r", e)
     if isinstance(e, (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)):
-        return P.APIError(503, f"the model replica failed while serving this request ({type(e).__name__}); "
-                          "retry it", "server_error", None, "replica_unavailable",
-                          {"Retry-After": str(int(retry_after_s))})
-    return P.APIError(500, f"the model replica failed on this request ({type(e).__name__})", "server_error",
-                      None, "replica_error")
+        return P.APIError(
+            503,
+            f"the model replica failed while serving this request ({type(e).__name__}); retry it",
+            "server_error",
+            None,
+            "replica_unavailable",
+            {"Retry-After": str(int(retry_after_s))},
+        )
+    return P.APIError(
+        500, f"the model replica failed on this request ({type(e).__name__})", "server_error", None, "replica_error"
+    )
 
 
 def _cancel(gen) -> None:
@@ -174,8 +188,9 @@ class OpenAIIngress:
         self.names = self.cfg.accepted_model_names()
         self.api_key = self.cfg.resolved_api_key()  # the env (or a file) of this process, never the args
         if not self.api_key:
-            logger.warning("no API key is set (HVD_RAY_API_KEY / api_key_file): anyone who can reach this "
-                           "endpoint can use it")
+            logger.warning(
+                "no API key is set (HVD_RAY_API_KEY / api_key_file): anyone who can reach this endpoint can use it"
+            )
         self._info: dict | None = None
         self._health: tuple[float, int, dict] | None = None  # (monotonic time, status, body), briefly cached
 
@@ -187,16 +202,24 @@ class OpenAIIngress:
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise P.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                             "invalid_request_error", None, "invalid_api_key")
+            raise P.APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                "invalid_request_error",
+                None,
+                "invalid_api_key",
+            )
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused with a 413 as soon as it is known to exceed ``max_request_bytes``."""
         limit = self.cfg.max_request_bytes
 
         def too_large(n: int) -> P.APIError:
-            return P.APIError(413, f"the request body ({n} bytes or more) exceeds this server's limit of {limit} "
-                              "bytes", code="request_too_large")
+            return P.APIError(
+                413,
+                f"the request body ({n} bytes or more) exceeds this server's limit of {limit} bytes",
+                code="request_too_large",
+            )
 
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -213,8 +236,12 @@ class OpenAIIngress:
                         raise too_large(size)
                     parts.append(chunk)
         except TimeoutError:
-            raise P.APIError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s",
-                             code="body_timeout", headers={"Connection": "close"}) from None
+            raise P.APIError(
+                408,
+                f"the request body did not arrive within {self.cfg.body_timeout_s:g} s",
+                code="body_timeout",
+                headers={"Connection": "close"},
+            ) from None
         return b"".join(parts)
 
     async def _parse(self, request: Request, model_cls):
@@ -228,28 +255,45 @@ class OpenAIIngress:
             raise P.APIError(400, "the request body must be a JSON object", code="invalid_json")
         where = P.find_surrogate(obj)
         if where is not None:
-            raise P.APIError(400, "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
-                             param=str(where[0]) if where else None, code="invalid_text")
+            raise P.APIError(
+                400,
+                "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+                param=str(where[0]) if where else None,
+                code="invalid_text",
+            )
         try:
             body = model_cls.model_validate(obj)
         except ValidationError as e:
             raise _validation_error(e.errors(include_url=False)) from None
         body.check_supported()
         if body.model is not None and body.model not in self.names:
-            raise P.APIError(404, f"The model `{body.model}` does not exist. Available: {self.cfg.model_id}",
-                             "invalid_request_error", "model", "model_not_found")
+            raise P.APIError(
+                404,
+                f"The model `{body.model}` does not exist. Available: {self.cfg.model_id}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         size, unit = body.prompt_size()
         limit = self.cfg.prompt_char_limit() if unit == "characters" else self.cfg.max_model_len
         if size > limit:
             param = "messages" if model_cls is P.ChatCompletionRequest else "prompt"
-            raise P.APIError(400, f"the prompt has {size} {unit}; this server accepts at most {limit}", param=param,
-                             code="context_length_exceeded")
+            raise P.APIError(
+                400,
+                f"the prompt has {size} {unit}; this server accepts at most {limit}",
+                param=param,
+                code="context_length_exceeded",
+            )
         return body
 
     def _check_max_tokens(self, n: int | None, param: str = "max_tokens") -> None:
         if n is not None and n > self.cfg.max_tokens:
-            raise P.APIError(400, f"{param} ({n}) exceeds this server's limit of {self.cfg.max_tokens}",
-                             param=param, code="invalid_value")
+            raise P.APIError(
+                400,
+                f"{param} ({n}) exceeds this server's limit of {self.cfg.max_tokens}",
+                param=param,
+                code="invalid_value",
+            )
 
     async def _next(self, gen, deadline: float, what: str):
         """The replica stream's next event by ``deadline`` (event-loop time), else the shed error:
@@ -259,11 +303,19 @@ class OpenAIIngress:
         except TimeoutError:
             _cancel(gen)  # the replica's generator aborts the request in the engine
             if what == "first token":
-                raise P.overloaded(f"no first token within {self.cfg.first_token_timeout_s:g} s of arrival (the "
-                                   "server is overloaded); retry later", self.cfg.retry_after_s,
-                                   "first_token_timeout") from None
-            raise P.APIError(504, f"the request did not finish within {self.cfg.request_timeout_s:g} s",
-                             "server_error", None, "request_timeout") from None
+                raise P.overloaded(
+                    f"no first token within {self.cfg.first_token_timeout_s:g} s of arrival (the "
+                    "server is overloaded); retry later",
+                    self.cfg.retry_after_s,
+                    "first_token_timeout",
+                ) from None
+            raise P.APIError(
+                504,
+                f"the request did not finish within {self.cfg.request_timeout_s:g} s",
+                "server_error",
+                None,
+                "request_timeout",
+            ) from None
 
     async def _start(self, payload: dict, arrived: float):
         """Call the replica and wait for the request's first token (or its end) until the first-token
@@ -276,9 +328,15 @@ class OpenAIIngress:
             while not head or head[-1]["type"] == "start":
                 ev = await self._next(gen, deadline, "first token")
                 if ev["type"] == "error":
-                    raise P.APIError(ev.get("status", 500), ev["message"],
-                                     ev.get("error_type", "invalid_request_error" if ev.get("status", 500) < 500
-                                            else "server_error"), ev.get("param"), ev.get("code"))
+                    raise P.APIError(
+                        ev.get("status", 500),
+                        ev["message"],
+                        ev.get(
+                            "error_type", "invalid_request_error" if ev.get("status", 500) < 500 else "server_error"
+                        ),
+                        ev.get("param"),
+                        ev.get("code"),
+                    )
                 head.append(ev)
         except (Exception, asyncio.CancelledError) as e:
             if gen is not None:
@@ -286,8 +344,9 @@ class OpenAIIngress:
             if isinstance(e, (asyncio.CancelledError, P.APIError)):
                 raise
             if isinstance(e, StopAsyncIteration):
-                raise P.APIError(500, "the model replica ended the request without finishing it",
-                                 "server_error") from None
+                raise P.APIError(
+                    500, "the model replica ended the request without finishing it", "server_error"
+                ) from None
             raise _replica_failed(e, self.cfg.retry_after_s) from None
         return gen, head
 
@@ -314,8 +373,9 @@ class OpenAIIngress:
                     finish, done = ev, True
                 elif ev["type"] == "error":
                     done = True
-                    raise P.APIError(ev.get("status", 500), ev["message"], ev.get("error_type", "server_error"),
-                                     None, ev.get("code"))
+                    raise P.APIError(
+                        ev.get("status", 500), ev["message"], ev.get("error_type", "server_error"), None, ev.get("code")
+                    )
         except (P.APIError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - the replica died mid-request
@@ -327,8 +387,9 @@ class OpenAIIngress:
             raise P.APIError(500, "the model replica ended the request without finishing it", "server_error")
         return "".join(parts), finish
 
-    async def _stream(self, gen, head: list[dict], deadline: float, kind: str, include_usage: bool,
-                      parallel_tools: bool | None):
+    async def _stream(
+        self, gen, head: list[dict], deadline: float, kind: str, include_usage: bool, parallel_tools: bool | None
+    ):
         """Server-sent events of one request; with tools (``parallel_tools`` not None) content streams
         until a tool call may begin, and the calls come whole before the finish chunk."""
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -373,8 +434,9 @@ class OpenAIIngress:
                             yield _sse(P.usage_chunk(rid, model, created, obj, use))
                     elif ev["type"] == "error":
                         done = True
-                        yield _sse(P.error_body(ev["message"], ev.get("error_type", "server_error"), None,
-                                                ev.get("code")))
+                        yield _sse(
+                            P.error_body(ev["message"], ev.get("error_type", "server_error"), None, ev.get("code"))
+                        )
             except P.APIError as e:  # the request deadline: say so, then end the stream
                 done = True
                 yield _sse(e.body())
@@ -386,15 +448,24 @@ class OpenAIIngress:
             if not done:  # client disconnected (or we failed): stop generating for it
                 _cancel(gen)
 
-    async def _generate(self, payload: dict, kind: str, stream: bool, include_usage: bool, arrived: float,
-                        parallel_tools: bool | None = None):
+    async def _generate(
+        self,
+        payload: dict,
+        kind: str,
+        stream: bool,
+        include_usage: bool,
+        arrived: float,
+        parallel_tools: bool | None = None,
+    ):
         """Run one request; ``parallel_tools`` not None: the output is parsed for tool calls."""
         gen, head = await self._start(payload, arrived)
         deadline = arrived + self.cfg.request_timeout_s
         if stream:
-            return StreamingResponse(self._stream(gen, head, deadline, kind, include_usage, parallel_tools),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._stream(gen, head, deadline, kind, include_usage, parallel_tools),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         text, fin = await self._collect(gen, head, deadline)
         use = P.usage(fin["prompt_tokens"], fin["completion_tokens"], _cached(fin))
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -458,9 +529,21 @@ class OpenAIIngress:
         self._authorize(request)
         if self._info is None:
             self._info = await self.replica.info.remote()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.cfg.model_id, "object": "model", "created": 0, "owned_by": "hvd-ray",
-            "root": self.cfg.model, "max_model_len": self._info["max_model_len"]}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.cfg.model_id,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "hvd-ray",
+                        "root": self.cfg.model,
+                        "max_model_len": self._info["max_model_len"],
+                    }
+                ],
+            }
+        )
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -476,7 +559,11 @@ class OpenAIIngress:
         body: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
         n = body.requested_max_tokens
         self._check_max_tokens(n, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        payload = {"messages": body.chat_messages(), **body.tool_payload(), "params": body.sampling(n),
-                   "template_kwargs": body.chat_template_kwargs or {}}
+        payload = {
+            "messages": body.chat_messages(),
+            **body.tool_payload(),
+            "params": body.sampling(n),
+            "template_kwargs": body.chat_template_kwargs or {},
+        }
         parallel = body.parallel_tool_calls if "tools" in payload else None
         return await self._generate(payload, "chat", body.stream, body.include_usage, arrived, parallel)

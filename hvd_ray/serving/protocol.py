@@ -28,8 +28,18 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # ids beyond the vocabulary are refused by the replica, which knows it
 MAX_MESSAGES = 1024
-TEMPLATE_OWN_KWARGS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
-                       "continue_final_message", "return_tensors", "return_dict", "chat_template"}
+TEMPLATE_OWN_KWARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "tokenize",
+    "continue_final_message",
+    "return_tensors",
+    "return_dict",
+    "chat_template",
+}
 MAX_TOOLS = 128  # tools per request, and calls per assistant message
 MAX_TOOL_NAME = 64
 MAX_TOOL_ARGUMENTS = 2**16  # characters of one call's arguments (JSON text)
@@ -39,8 +49,15 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 class APIError(Exception):
     """An error with an HTTP status and an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -49,8 +66,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -94,8 +112,9 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
-                               description=f"0 decodes greedily; else at least {MIN_TEMPERATURE}")
+    temperature: float = Field(
+        1.0, ge=0.0, le=2.0, allow_inf_nan=False, description=f"0 decodes greedily; else at least {MIN_TEMPERATURE}"
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)  # extension (vLLM); 0 = off
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
@@ -142,9 +161,16 @@ class _Common(BaseModel):
         return [s for s in stops if s]  # "" would match everywhere
 
     def sampling(self, max_tokens: int | None) -> dict:
-        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list(),
-                "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos}
+        return {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop_list(),
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+        }
 
     @property
     def include_usage(self) -> bool:
@@ -257,8 +283,12 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"unsupported content part type {part.get('type')!r} (text only)",
-                               param="messages", code="unsupported_value")
+                raise APIError(
+                    400,
+                    f"unsupported content part type {part.get('type')!r} (text only)",
+                    param="messages",
+                    code="unsupported_value",
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -300,8 +330,12 @@ class ChatCompletionRequest(_Common):
             if m.tool_calls and m.role != "assistant":
                 raise APIError(400, "only assistant messages carry tool_calls", param="messages")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "response_format other than text is not supported", param="response_format",
-                           code="unsupported_value")
+            raise APIError(
+                400,
+                "response_format other than text is not supported",
+                param="response_format",
+                code="unsupported_value",
+            )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -329,8 +363,11 @@ class ChatCompletionRequest(_Common):
         """What the replica renders and the ingress parses: the tools and the choice (none: no tools)."""
         if not self.tools or self.tool_choice == "none":
             return {}
-        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else (
-            self.tool_choice or "auto")
+        choice = (
+            self.tool_choice.model_dump()
+            if isinstance(self.tool_choice, NamedToolChoice)
+            else (self.tool_choice or "auto")
+        )
         return {"tools": [t.model_dump(exclude_none=True) for t in self.tools], "tool_choice": choice}
 
 
@@ -345,32 +382,51 @@ def now() -> int:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens whose K/V was reused (prefix reuse)."""
-    use = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+    use = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if cached_tokens is not None:
         use["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return use
 
 
 def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": use,
+    }
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
 
 
-def chat_response(rid: str, model: str, text: str | None, finish_reason: str, use: dict,
-                  tool_calls: list[dict] | None = None) -> dict:
+def chat_response(
+    rid: str, model: str, text: str | None, finish_reason: str, use: dict, tool_calls: list[dict] | None = None
+) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": use,
+    }
 
 
 def tool_call_deltas(calls: list[dict]) -> dict:
@@ -379,8 +435,13 @@ def tool_call_deltas(calls: list[dict]) -> dict:
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
 
 
 def usage_chunk(rid: str, model: str, created: int, object: str, use: dict) -> dict:

@@ -54,18 +54,27 @@ class _Metrics:
     def __init__(self) -> None:
         from ray.serve import metrics
 
-        self.requests = metrics.Counter("hvd_requests_total", "Finished generation requests.",
-                                        tag_keys=("finish_reason",))
+        self.requests = metrics.Counter(
+            "hvd_requests_total", "Finished generation requests.", tag_keys=("finish_reason",)
+        )
         self.tokens = metrics.Counter("hvd_generated_tokens_total", "Generated (completion) tokens.")
         self.forwards = metrics.Counter("hvd_target_forwards_total", "Target forwards (prefill included).")
-        self.ttft = metrics.Histogram("hvd_time_to_first_token_seconds", "Time from arrival to the first token.",
-                                      boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30])
-        self.mat = metrics.Gauge("hvd_mean_accepted_tokens_per_forward",
-                                 "Mean tokens emitted per decoding target forward since the replica started.")
-        self.cache_rate = metrics.Gauge("hvd_cache_chosen_rate",
-                                        "Share of decode steps that verified a suffix-cache draft, since the replica started.")
-        self.slim = metrics.Counter("hvd_slim_tokens_total", "VIA-SD slim-tier outcomes per draft token.",
-                                    tag_keys=("outcome",))
+        self.ttft = metrics.Histogram(
+            "hvd_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30],
+        )
+        self.mat = metrics.Gauge(
+            "hvd_mean_accepted_tokens_per_forward",
+            "Mean tokens emitted per decoding target forward since the replica started.",
+        )
+        self.cache_rate = metrics.Gauge(
+            "hvd_cache_chosen_rate",
+            "Share of decode steps that verified a suffix-cache draft, since the replica started.",
+        )
+        self.slim = metrics.Counter(
+            "hvd_slim_tokens_total", "VIA-SD slim-tier outcomes per draft token.", tag_keys=("outcome",)
+        )
         self.waiting = metrics.Gauge("hvd_queue_length", "Requests waiting for a KV-cache slot.")
         self.running = metrics.Gauge("hvd_running_requests", "Requests holding a KV-cache slot.")
 
@@ -86,8 +95,13 @@ def deliver(stream: _Stream, payload) -> None:
 
 def engine_failure(e: BaseException) -> dict:
     """The event every request in flight gets when its engine fails (its state is unknown)."""
-    return {"type": "error", "status": 500, "message": f"engine failure: {e!r}", "error_type": "server_error",
-            "code": "engine_failure"}
+    return {
+        "type": "error",
+        "status": 500,
+        "message": f"engine failure: {e!r}",
+        "error_type": "server_error",
+        "code": "engine_failure",
+    }
 
 
 class EngineLoop:
@@ -137,14 +151,23 @@ class EngineLoop:
 
     def stats(self) -> dict:
         eng = self.engine
-        return {"waiting": len(eng.waiting), "running": len(eng.running), "free_slots": len(eng.free_slots),
-                "slots": eng.slots,
-                "steps": self.steps, "finished": self.finished, "aborted": self.aborted, "failed": self.failed,
-                "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
-                "cache_chosen_rate": self.cache_steps / self.decode_steps if self.decode_steps else 0.0,
-                "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_tokens,
-                "prefill_s": self.prefill_s, "heartbeat_age_s": round(self.stalled_s(), 3),
-                "healthy": self.error is None and self._thread.is_alive()}
+        return {
+            "waiting": len(eng.waiting),
+            "running": len(eng.running),
+            "free_slots": len(eng.free_slots),
+            "slots": eng.slots,
+            "steps": self.steps,
+            "finished": self.finished,
+            "aborted": self.aborted,
+            "failed": self.failed,
+            "mean_accepted_per_forward": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
+            "cache_chosen_rate": self.cache_steps / self.decode_steps if self.decode_steps else 0.0,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_tokens,
+            "prefill_s": self.prefill_s,
+            "heartbeat_age_s": round(self.stalled_s(), 3),
+            "healthy": self.error is None and self._thread.is_alive(),
+        }
 
     def stalled_s(self) -> float:
         """Seconds since the loop last showed progress (a finished step, or an idle turn)."""
@@ -221,11 +244,23 @@ class EngineLoop:
         if out.finish_reason == "error":  # the engine failed this request alone
             del self._reqs[out.req_id]
             self.failed += 1
-            deliver(stream, {"type": "error", "status": 500, "message": f"this request failed: {out.error}",
-                             "error_type": "server_error", "code": "request_failed"})
+            deliver(
+                stream,
+                {
+                    "type": "error",
+                    "status": 500,
+                    "message": f"this request failed: {out.error}",
+                    "error_type": "server_error",
+                    "code": "request_failed",
+                },
+            )
             return
-        payload = {"type": "tokens", "tokens": out.new_tokens, "finished": out.finished,
-                   "finish_reason": out.finish_reason}
+        payload = {
+            "type": "tokens",
+            "tokens": out.new_tokens,
+            "finished": out.finished,
+            "finish_reason": out.finish_reason,
+        }
         if out.finished:
             del self._reqs[out.req_id]
             if out.finish_reason != "abort":
@@ -289,8 +324,11 @@ class ReplicaFront:
             raise RuntimeError(f"engine loop is not running: {self.loop.error!r}")
         stalled = self.loop.stalled_s()
         if stalled > self.cfg.step_timeout_s:
-            logger.error("engine loop made no progress for %.0f s (step_timeout_s %g): unhealthy", stalled,
-                         self.cfg.step_timeout_s)
+            logger.error(
+                "engine loop made no progress for %.0f s (step_timeout_s %g): unhealthy",
+                stalled,
+                self.cfg.step_timeout_s,
+            )
             raise RuntimeError(f"engine loop made no progress for {stalled:.0f} s")
 
     def __del__(self) -> None:
@@ -303,8 +341,9 @@ class ReplicaFront:
         """(prompt ids, the parameter they came from, the forced start of the answer)."""
         if req.get("messages") is not None:
             try:
-                text, start = tools.render(self.tok, req["messages"], req.get("tools"), req.get("tool_choice"),
-                                           req.get("template_kwargs"))
+                text, start = tools.render(
+                    self.tok, req["messages"], req.get("tools"), req.get("tool_choice"), req.get("template_kwargs")
+                )
             except Exception as e:  # noqa: BLE001 - a template rejecting the conversation is a client error
                 raise _ClientError(f"the chat template rejected the messages: {e}", "messages") from e
             return self.tok(text + start, add_special_tokens=False)["input_ids"], "messages", start
@@ -322,15 +361,22 @@ class ReplicaFront:
         sp = dict(req["params"])
         room = self.max_len - n_prompt - self.reserved - 1
         if room < 1:
-            raise _ClientError(f"the prompt is {n_prompt} tokens, which leaves no room to generate in this "
-                               f"model's context of {self.max_len} tokens", param,
-                               code="context_length_exceeded")
+            raise _ClientError(
+                f"the prompt is {n_prompt} tokens, which leaves no room to generate in this "
+                f"model's context of {self.max_len} tokens",
+                param,
+                code="context_length_exceeded",
+            )
         if sp["max_tokens"] is None:
             sp["max_tokens"] = min(self.cfg.max_tokens, room)
         elif sp["max_tokens"] > room:
-            raise _ClientError(f"the prompt ({n_prompt} tokens) + max_tokens ({sp['max_tokens']}) exceeds this "
-                               f"model's context of {self.max_len} tokens (at most {room} new tokens "
-                               "fit)", "max_tokens", code="context_length_exceeded")
+            raise _ClientError(
+                f"the prompt ({n_prompt} tokens) + max_tokens ({sp['max_tokens']}) exceeds this "
+                f"model's context of {self.max_len} tokens (at most {room} new tokens "
+                "fit)",
+                "max_tokens",
+                code="context_length_exceeded",
+            )
         try:
             return SamplingParams(**sp)
         except (TypeError, ValueError) as e:
@@ -382,8 +428,13 @@ class ReplicaFront:
                 if finish is not None:
                     done = True
                     self._count(n_out, finish)
-                    yield {"type": "finish", "finish_reason": finish, "prompt_tokens": len(ids),
-                           "completion_tokens": n_out, "stats": ev.get("stats")}
+                    yield {
+                        "type": "finish",
+                        "finish_reason": finish,
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": n_out,
+                        "stats": ev.get("stats"),
+                    }
                     return
         finally:
             if not done:  # client went away (generator closed / cancelled): free the slot
@@ -429,8 +480,15 @@ class ModelReplica(ReplicaFront):
         self.vocab_size = self.model.cfg.vocab_size
         self._start_metrics()
         self.loop = EngineLoop(self.engine, self.metrics)
-        logger.info("ModelReplica ready: model=%s dtype=%s drafter=%s max_batch=%d max_len=%d threads=%d",
-                    cfg.model, cfg.dtype, cfg.drafter, cfg.max_batch, self.engine.max_len, torch.get_num_threads())
+        logger.info(
+            "ModelReplica ready: model=%s dtype=%s drafter=%s max_batch=%d max_len=%d threads=%d",
+            cfg.model,
+            cfg.dtype,
+            cfg.drafter,
+            cfg.max_batch,
+            self.engine.max_len,
+            torch.get_num_threads(),
+        )
 
     @staticmethod
     def _suffix_cache(cfg: ServingConfig):
@@ -442,18 +500,25 @@ class ModelReplica(ReplicaFront):
         from .suffix_actor import MirroredSuffixDrafter, RemoteSuffixDrafter, service_actor
 
         conf = suffix_config(cfg.policy if cfg.drafter == "hvd" else "none")
-        actor = service_actor(cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history,
-                              model=cfg.model)
+        actor = service_actor(
+            cfg.suffix_actor_name, config=dataclasses.asdict(conf), history=cfg.suffix_history, model=cfg.model
+        )
         if cfg.suffix_actor_mode == "mirror":
             return MirroredSuffixDrafter(actor, conf)
         return RemoteSuffixDrafter(actor, config=conf)
 
     # ---- methods called by the ingress
     def info(self) -> dict:
-        return {"model": self.cfg.model_id, "max_model_len": self.engine.max_len,
-                "max_tokens": self.cfg.max_tokens, "drafter": self.cfg.drafter, "dtype": self.cfg.dtype,
-                "policy": self.cfg.policy if self.cfg.drafter == "hvd" else None,
-                "slim": self.cfg.slim, "slim_mode": self.cfg.slim_mode if self.cfg.slim else None}
+        return {
+            "model": self.cfg.model_id,
+            "max_model_len": self.engine.max_len,
+            "max_tokens": self.cfg.max_tokens,
+            "drafter": self.cfg.drafter,
+            "dtype": self.cfg.dtype,
+            "policy": self.cfg.policy if self.cfg.drafter == "hvd" else None,
+            "slim": self.cfg.slim,
+            "slim_mode": self.cfg.slim_mode if self.cfg.slim else None,
+        }
 
     def stats(self) -> dict:
         """Engine-loop figures plus per-drafter state (live requests it tracks, actor wait time)."""
@@ -467,6 +532,7 @@ class ModelReplica(ReplicaFront):
         out["speculation"] = check.summary() if check is not None else None
         out["rss_bytes"] = psutil.Process().memory_info().rss  # leak checks under load (bench/load.py)
         return out
+
 
 class _ClientError(Exception):
     def __init__(self, message: str, param: str | None, code: str | None = None):

@@ -128,9 +128,14 @@ class SuffixDrafterService:
 
     def stats(self) -> dict:
         d = self.drafter
-        return {"requests": d.live_requests(), "cached_requests": len(d.cached_requests),
-                "global_tokens": d.global_tree.num_tokens, "published": self.published,
-                "incarnation": self.incarnation, "idle_s": time.monotonic() - self.last_call}
+        return {
+            "requests": d.live_requests(),
+            "cached_requests": len(d.cached_requests),
+            "global_tokens": d.global_tree.num_tokens,
+            "published": self.published,
+            "incarnation": self.incarnation,
+            "idle_s": time.monotonic() - self.last_call,
+        }
 
     def identity(self) -> dict:
         """What this actor's trees are valid for: ``{"model", "config", "history", "digest"}``."""
@@ -152,16 +157,29 @@ def actor_name(name: str, model: str | None = None, config: dict | None = None, 
     return f"{name}-{actor_identity(model, config, history)['digest']}"
 
 
-def service_actor(name: str = DEFAULT_NAME, config: dict | None = None, num_cpus: float = 0.1,
-                  history: str | None = None, *, model: str | None = None):
+def service_actor(
+    name: str = DEFAULT_NAME,
+    config: dict | None = None,
+    num_cpus: float = 0.1,
+    history: str | None = None,
+    *,
+    model: str | None = None,
+):
     """The named, detached service actor for this model / config / history (created by the first
     replica, found by the others); another identity gets another actor (:func:`actor_name`).
     Ray restarts it whenever it dies; calls in flight then fail and the clients resync."""
     ident = actor_identity(model, config, history)
     cls = ray.remote(SuffixDrafterService)
-    return cls.options(name=f"{name}-{ident['digest']}", namespace=ACTOR_NAMESPACE, get_if_exists=True,
-                       lifetime="detached", num_cpus=num_cpus, max_restarts=-1, max_task_retries=0,
-                       max_concurrency=1).remote(config, history, ident)
+    return cls.options(
+        name=f"{name}-{ident['digest']}",
+        namespace=ACTOR_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=num_cpus,
+        max_restarts=-1,
+        max_task_retries=0,
+        max_concurrency=1,
+    ).remote(config, history, ident)
 
 
 def service_actors(name: str = DEFAULT_NAME) -> dict[str, ray.actor.ActorHandle]:
@@ -169,9 +187,13 @@ def service_actors(name: str = DEFAULT_NAME) -> dict[str, ray.actor.ActorHandle]
     found = {}
     for a in ray.util.list_named_actors(all_namespaces=True):
         full = a["name"]
-        digest = full[len(name) + 1:]
-        if (a["namespace"] == ACTOR_NAMESPACE and full.startswith(f"{name}-") and len(digest) == 12
-                and all(c in "0123456789abcdef" for c in digest)):
+        digest = full[len(name) + 1 :]
+        if (
+            a["namespace"] == ACTOR_NAMESPACE
+            and full.startswith(f"{name}-")
+            and len(digest) == 12
+            and all(c in "0123456789abcdef" for c in digest)
+        ):
             try:
                 found[full] = ray.get_actor(full, namespace=ACTOR_NAMESPACE)
             except ValueError:  # gone since the listing
@@ -179,8 +201,9 @@ def service_actors(name: str = DEFAULT_NAME) -> dict[str, ray.actor.ActorHandle]
     return found
 
 
-def stale_actors(name: str = DEFAULT_NAME, idle_s: float = 3600.0, *, kill: bool = False,
-                 timeout_s: float = 10.0) -> list[str]:
+def stale_actors(
+    name: str = DEFAULT_NAME, idle_s: float = 3600.0, *, kill: bool = False, timeout_s: float = 10.0
+) -> list[str]:
     """Full names of the service actors under ``name`` that no client has called for ``idle_s``
     (an old deployment's, or a deleted application's: detached, they outlive it); ``kill``: kill them.
     A mirroring replica calls its actor every ``pull_interval_s``; a ``remote``-mode replica only
@@ -204,8 +227,15 @@ class RemoteSuffixDrafter(Drafter):
     name = "suffix"
     adaptive_length = True  # drafts sized by match length, as the in-process SuffixDrafter
 
-    def __init__(self, actor, *, timeout_s: float = 2.0, retry_s: float = 0.5,
-                 start_timeout_s: float = 120.0, config: SuffixConfig | None = None) -> None:
+    def __init__(
+        self,
+        actor,
+        *,
+        timeout_s: float = 2.0,
+        retry_s: float = 0.5,
+        start_timeout_s: float = 120.0,
+        config: SuffixConfig | None = None,
+    ) -> None:
         self.actor = actor
         self.config = config  # the settings the actor drafts with, when known (policies read them)
         self.client = uuid.uuid4().hex[:12]
@@ -247,8 +277,9 @@ class RemoteSuffixDrafter(Drafter):
     def propose(self, reqs: Sequence[DraftRequest]) -> list[Draft]:
         missing = [r for r in reqs if r.req_id not in self._ready]
         if missing:
-            self._ready.update(zip((r.req_id for r in missing),
-                                   self._call([(r.req_id, r.max_tokens) for r in missing])))
+            self._ready.update(
+                zip((r.req_id for r in missing), self._call([(r.req_id, r.max_tokens) for r in missing]))
+            )
         return [self._ready.pop(r.req_id).truncated(r.max_tokens) for r in reqs]
 
     def speculate(self, req_id: Hashable, max_tokens: int | None = None, offset: float | None = None) -> Draft:
@@ -274,8 +305,7 @@ class RemoteSuffixDrafter(Drafter):
         t0 = now
         try:
             if self._resync:
-                self._incarnation = ray.get(self.actor.resync.remote(self.client, self._ctx),
-                                            timeout=self.timeout_s)
+                self._incarnation = ray.get(self.actor.resync.remote(self.client, self._ctx), timeout=self.timeout_s)
                 self._ops.clear()
                 self._resync = False
             ops, self._ops = self._ops, []
@@ -284,8 +314,9 @@ class RemoteSuffixDrafter(Drafter):
             self.failures += 1
             self._resync = True
             self._down_until = time.perf_counter() + self.retry_s
-            logger.warning("suffix drafter actor unavailable (%s); decoding goes on without cache drafts",
-                           type(e).__name__)
+            logger.warning(
+                "suffix drafter actor unavailable (%s); decoding goes on without cache drafts", type(e).__name__
+            )
             return empty
         finally:
             self.calls += 1
@@ -301,8 +332,13 @@ class RemoteSuffixDrafter(Drafter):
         return len(self._ctx)
 
     def stats(self) -> dict:
-        return {"mode": "remote", "calls": self.calls, "wait_s": self.wait_s, "failures": self.failures,
-                "live_requests": len(self._ctx)}
+        return {
+            "mode": "remote",
+            "calls": self.calls,
+            "wait_s": self.wait_s,
+            "failures": self.failures,
+            "live_requests": len(self._ctx),
+        }
 
 
 class MirroredSuffixDrafter(SuffixDrafter):
@@ -328,7 +364,7 @@ class MirroredSuffixDrafter(SuffixDrafter):
         self._prompt_len[req_id] = len(prompt)
 
     def end(self, req_id: Hashable) -> None:
-        output = self.context(req_id)[self._prompt_len.pop(req_id):]
+        output = self.context(req_id)[self._prompt_len.pop(req_id) :]
         super().end(req_id)
         if output:
             t0 = time.perf_counter()
@@ -379,10 +415,20 @@ class MirroredSuffixDrafter(SuffixDrafter):
 
     def _failed(self, what: str, e: Exception) -> None:
         self.failures += 1
-        logger.warning("suffix drafter actor unavailable for %s (%s); drafting goes on from the local trees",
-                       what, type(e).__name__)
+        logger.warning(
+            "suffix drafter actor unavailable for %s (%s); drafting goes on from the local trees",
+            what,
+            type(e).__name__,
+        )
 
     def stats(self) -> dict:
-        return {"mode": "mirror", "calls": self.calls, "wait_s": self.wait_s, "failures": self.failures,
-                "live_requests": self.live_requests(), "published": self.published, "received": self.received,
-                "cached_requests": len(self.cached_requests)}
+        return {
+            "mode": "mirror",
+            "calls": self.calls,
+            "wait_s": self.wait_s,
+            "failures": self.failures,
+            "live_requests": self.live_requests(),
+            "published": self.published,
+            "received": self.received,
+            "cached_requests": len(self.cached_requests),
+        }

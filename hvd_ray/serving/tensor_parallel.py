@@ -102,9 +102,13 @@ class TPWorker:
         if device.type == "cuda":
             torch.cuda.set_device(0)  # Ray exposes only this rank's GPU
             device = torch.device("cuda", 0)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=spec.timeout_s))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=init_method,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=spec.timeout_s),
+        )
         folder = resolve(spec.model)
         # load on the CPU and shard there, so a GPU never holds more than its shard
         model = Transformer.from_pretrained(folder, dtype=parse_dtype(spec.dtype), device="cpu")
@@ -113,8 +117,13 @@ class TPWorker:
             model = model.to(device)
             model.pack_weights()
         self.engine = build_engine(spec.engine, model, load_tokenizer(folder))
-        return {"max_len": self.engine.max_len, "num_draft_tokens": self.engine.num_draft_tokens,
-                "slots": self.engine.slots, "kv_heads": model.cache.k[0].shape[1], "threads": torch.get_num_threads()}
+        return {
+            "max_len": self.engine.max_len,
+            "num_draft_tokens": self.engine.num_draft_tokens,
+            "slots": self.engine.slots,
+            "kv_heads": model.cache.k[0].shape[1],
+            "threads": torch.get_num_threads(),
+        }
 
     def step(self, commands: list[tuple]) -> dict | None:
         """Apply the driver's commands in order, then run one engine step (if anything is left).
@@ -139,8 +148,13 @@ class TPWorker:
             del self.reqs[rid]
         if self.rank != 0:
             return None
-        return {"outs": outs, "stats": stats, "slots": {r.req_id: r.slot for r in eng.running},
-                "waiting": [r.req_id for r in eng.waiting], "free_slots": list(eng.free_slots)}
+        return {
+            "outs": outs,
+            "stats": stats,
+            "slots": {r.req_id: r.slot for r in eng.running},
+            "waiting": [r.req_id for r in eng.waiting],
+            "free_slots": list(eng.free_slots),
+        }
 
     def logits(self, tokens: list[int]):
         """Logits [T, V] of ``tokens`` as a fresh sequence in a free slot (diagnostics and tests;
@@ -172,8 +186,15 @@ class TensorParallelEngine:
     ``STRICT_PACK``: all on one node, as tensor parallelism all-reduces twice per layer).
     """
 
-    def __init__(self, spec: TPEngineSpec, world_size: int, *, rank_options: dict[str, Any] | None = None,
-                 strategy: str = "STRICT_PACK", reserve_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        spec: TPEngineSpec,
+        world_size: int,
+        *,
+        rank_options: dict[str, Any] | None = None,
+        strategy: str = "STRICT_PACK",
+        reserve_timeout_s: float = 300.0,
+    ):
         from ..model import parse_device, resolve
         from ..model.tp import check_tp_size
         from ..model.transformer import load_hf_config
@@ -197,15 +218,20 @@ class TensorParallelEngine:
         try:
             ready, _ = ray.wait([self._pg.ready()], timeout=reserve_timeout_s)
             if not ready:
-                raise RuntimeError(f"could not reserve {world_size} x {bundle} ({strategy}) for tensor parallelism "
-                                   f"within {reserve_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}")
+                raise RuntimeError(
+                    f"could not reserve {world_size} x {bundle} ({strategy}) for tensor parallelism "
+                    f"within {reserve_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"
+                )
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             actor = ray.remote(TPWorker)
             self.workers = [
-                actor.options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self._pg, placement_group_bundle_index=r)).remote(r, world_size)
-                for r in range(world_size)]
+                actor.options(
+                    **opts,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+                ).remote(r, world_size)
+                for r in range(world_size)
+            ]
             init_method = ray.get(self.workers[0].address.remote(), timeout=spec.setup_timeout_s)
             info = self._gather([w.setup.remote(spec, init_method) for w in self.workers], spec.setup_timeout_s)[0]
         except BaseException:
@@ -228,13 +254,20 @@ class TensorParallelEngine:
     @classmethod
     def from_serving_config(cls, cfg) -> TensorParallelEngine:
         """Build from a :class:`~hvd_ray.serving.config.ServingConfig` with ``tensor_parallel_size > 1``."""
-        spec = TPEngineSpec(model=cfg.model, dtype=cfg.dtype, device=cfg.device, engine=cfg.engine_spec(),
-                            torch_threads=cfg.torch_threads, step_timeout_s=cfg.step_timeout_s)
+        spec = TPEngineSpec(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            engine=cfg.engine_spec(),
+            torch_threads=cfg.torch_threads,
+            step_timeout_s=cfg.step_timeout_s,
+        )
         return cls(spec, cfg.tensor_parallel_size, rank_options=cfg.tp_ray_actor_options)
 
     # ------------------------------------------------------------------------------ requests
-    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                    req_id: str | None = None) -> Request:
+    def add_request(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
+    ) -> Request:
         """Queue a request for every rank (sent with the next step); returns its local mirror."""
         params = params or SamplingParams()
         prompt = check_fits(prompt, params, self.num_draft_tokens, self.max_len)  # the ranks check the ids' range
@@ -310,8 +343,9 @@ class TensorParallelEngine:
                 ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
                 if not ready:
                     late = [r for r, ref in enumerate(refs) if ref in pending]
-                    raise TimeoutError(f"tensor-parallel rank(s) {late} did not answer within {timeout_s:g}s; "
-                                       "all ranks are shut down")
+                    raise TimeoutError(
+                        f"tensor-parallel rank(s) {late} did not answer within {timeout_s:g}s; all ranks are shut down"
+                    )
                 ray.get(ready[0])
         except BaseException:
             self.shutdown()

@@ -39,8 +39,10 @@ To call functions, answer with the calls in this format and nothing else:
 ]</tool_call>
 {choice}"""
 
-_CHOICE = {"auto": "If no function call is needed, answer the user directly.",
-           "required": "You must call at least one function."}
+_CHOICE = {
+    "auto": "If no function call is needed, answer the user directly.",
+    "required": "You must call at least one function.",
+}
 
 
 def template_knows_tools(tok) -> bool:
@@ -50,8 +52,9 @@ def template_knows_tools(tok) -> bool:
 
 def _call_text(calls: list[dict], listed: bool) -> str:
     """Assistant tool calls (OpenAI form) as the text the model writes for them."""
-    plain = [{"name": c["function"]["name"], "arguments": _loads(c["function"].get("arguments") or "{}")}
-             for c in calls]
+    plain = [
+        {"name": c["function"]["name"], "arguments": _loads(c["function"].get("arguments") or "{}")} for c in calls
+    ]
     if listed:
         return f"{OPEN}{json.dumps(plain, ensure_ascii=False)}{CLOSE}"
     return "\n".join(f"{OPEN}\n{json.dumps(c, ensure_ascii=False)}\n{CLOSE}" for c in plain)
@@ -64,8 +67,9 @@ def _loads(arguments: str) -> Any:
         return arguments
 
 
-def render(tok, messages: list[dict], tools: list[dict] | None, tool_choice: Any,
-           template_kwargs: dict | None = None) -> tuple[str, str]:
+def render(
+    tok, messages: list[dict], tools: list[dict] | None, tool_choice: Any, template_kwargs: dict | None = None
+) -> tuple[str, str]:
     """(prompt text, forced start of the answer) for a chat request; ``messages`` in OpenAI form
     (assistant ``tool_calls``, ``tool`` messages with ``tool_call_id``); ``template_kwargs``: more
     variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
@@ -76,9 +80,17 @@ def render(tok, messages: list[dict], tools: list[dict] | None, tool_choice: Any
         m = dict(m)
         if m.get("tool_calls"):
             if own:
-                m["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
-                    "name": c["function"]["name"], "arguments": _loads(c["function"].get("arguments") or "{}")}}
-                    for c in m["tool_calls"]]
+                m["tool_calls"] = [
+                    {
+                        "type": "function",
+                        "id": c.get("id"),
+                        "function": {
+                            "name": c["function"]["name"],
+                            "arguments": _loads(c["function"].get("arguments") or "{}"),
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ]
             else:
                 text = _call_text(m.pop("tool_calls"), listed=True)
                 m["content"] = f"{m['content']}\n{text}" if m.get("content") else text
@@ -118,7 +130,7 @@ def parse(text: str, parallel: bool = True) -> tuple[str | None, list[dict] | No
         return text, None
     calls, rest, pos = [], [], 0
     for m in re.finditer(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", text, re.S):
-        rest.append(text[pos:m.start()])
+        rest.append(text[pos : m.start()])
         pos = m.end()
         found = _calls(m.group(1))
         if found is None:
@@ -130,10 +142,14 @@ def parse(text: str, parallel: bool = True) -> tuple[str | None, list[dict] | No
     if not parallel:
         calls = calls[:1]
     content = "".join(rest).strip()
-    return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"],
-                                                                                      ensure_ascii=False)}}
-                             for c in calls]
+    return content or None, [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+        }
+        for c in calls
+    ]
 
 
 _DECODER = json.JSONDecoder()
@@ -195,19 +211,19 @@ class StreamSplitter:
         i = self.text.find(OPEN, self.sent)
         if i >= 0:
             self.holding = True
-            out, self.sent = self.text[self.sent:i], i
+            out, self.sent = self.text[self.sent : i], i
             return out
         end = len(self.text)
         for k in range(min(len(OPEN) - 1, end - self.sent), 0, -1):  # a partial "<tool_call" may follow
             if self.text.endswith(OPEN[:k]):
                 end -= k
                 break
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = self.text[self.sent : end], end
         return out
 
     def finish(self, parallel: bool = True) -> tuple[str, list[dict] | None]:
         """(content still to stream, tool calls or None) once the output is complete."""
-        held = self.text[self.sent:]
+        held = self.text[self.sent :]
         content, calls = parse(held, parallel)
         if calls is None:
             return held, None

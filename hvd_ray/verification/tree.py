@@ -40,8 +40,7 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def tree_attention_mask(parents: Sequence[int],
-                        device: torch.device | str | None = None) -> torch.Tensor:
+def tree_attention_mask(parents: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
     """``[n+1, n+1]`` bool mask: ``mask[j, k]`` iff node k is node j or one of its ancestors.
 
     This is the draft-local part of the verify attention mask (every node also sees the whole

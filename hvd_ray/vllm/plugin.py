@@ -60,7 +60,8 @@ def check_version(installed: str) -> None:
     if not Version(lo) <= Version(Version(installed).base_version) < Version(hi):
         raise RuntimeError(
             f"hvd-ray's vLLM plug-in supports vllm>={lo},<{hi}; installed: vllm {installed}. Install a "
-            f"supported vLLM, or leave the plug-in out (VLLM_PLUGINS: the plug-ins to load, without 'hvd').")
+            f"supported vLLM, or leave the plug-in out (VLLM_PLUGINS: the plug-ins to load, without 'hvd')."
+        )
 
 
 def translate(spec: dict) -> tuple[dict, dict]:
@@ -69,21 +70,29 @@ def translate(spec: dict) -> tuple[dict, dict]:
 
     spec = dict(spec)
     spec.pop("method")
-    settings = {"policy": spec.pop("hvd_policy", "cost"),
-                "eagle_tokens": int(spec.pop("hvd_eagle_tokens", EAGLE_TOKENS)),
-                "head": str(spec.pop("model", None) or EAGLE3_ASSET)}
+    settings = {
+        "policy": spec.pop("hvd_policy", "cost"),
+        "eagle_tokens": int(spec.pop("hvd_eagle_tokens", EAGLE_TOKENS)),
+        "head": str(spec.pop("model", None) or EAGLE3_ASSET),
+    }
     k = int(spec.pop("num_speculative_tokens", 32))
     if settings["policy"] not in POLICIES:
         raise ValueError(f"hvd_policy must be one of {', '.join(POLICIES)}, got {settings['policy']!r}")
     if not 1 <= settings["eagle_tokens"] <= k:
-        raise ValueError(f"hvd_eagle_tokens must be in [1, num_speculative_tokens = {k}], "
-                         f"got {settings['eagle_tokens']}")
+        raise ValueError(
+            f"hvd_eagle_tokens must be in [1, num_speculative_tokens = {k}], got {settings['eagle_tokens']}"
+        )
     refused = {"disable_padded_drafter_batch": False, "parallel_drafting": True, "draft_sample_method": "probabilistic"}
     bad = [key for key, value in refused.items() if key in spec and spec[key] == value]
     if bad:
         raise ValueError(f"method 'hvd' cannot run with {', '.join(f'{b}={refused[b]!r}' for b in bad)}")
-    return {**spec, "method": "eagle3", "model": settings["head"], "num_speculative_tokens": k,
-            "disable_padded_drafter_batch": True}, settings
+    return {
+        **spec,
+        "method": "eagle3",
+        "model": settings["head"],
+        "num_speculative_tokens": k,
+        "disable_padded_drafter_batch": True,
+    }, settings
 
 
 class Hybrid:
@@ -94,14 +103,18 @@ class Hybrid:
         from ..selection.hvd import eagle3_accept_prior
 
         model = ModelDrafter("eagle3", settings["eagle_tokens"])
-        self.proposer = POLICIES[settings["policy"]](vllm_config, model=model,
-                                                     model_accept=eagle3_accept_prior(settings["head"]))
+        self.proposer = POLICIES[settings["policy"]](
+            vllm_config, model=model, model_accept=eagle3_accept_prior(settings["head"])
+        )
         self.first_pass_s: float | None = None  # the head's pass over a step's tokens (drafting nothing)
         self.counts = {"rows": {"cache": 0, "model": 0, "none": 0}, "mixed_steps": 0, "cache_and_model_steps": 0}
         logging.getLogger("vllm.hvd_ray").info(
             "hvd-ray plug-in: method hvd, policy %s, EAGLE-3 head %s (%d-token drafts), drafts up to %d tokens",
-            settings["policy"], settings["head"], settings["eagle_tokens"],
-            vllm_config.speculative_config.num_speculative_tokens)
+            settings["policy"],
+            settings["head"],
+            settings["eagle_tokens"],
+            vllm_config.speculative_config.num_speculative_tokens,
+        )
 
     def propose(self, runner, eagle, scheduler_output, sampled, args, kwargs) -> list[list[int]]:
         if not isinstance(sampled, list):
@@ -197,8 +210,10 @@ def register() -> None:
     def create_speculative_config(self, *args, **kwargs):
         if self.spec_method == METHOD:  # (``--spec-method hvd`` and its sibling flags)
             aliases = {"method": METHOD, "model": self.spec_model, "num_speculative_tokens": self.spec_tokens}
-            self.speculative_config = {**(self.speculative_config or {}),
-                                       **{key: v for key, v in aliases.items() if v is not None}}
+            self.speculative_config = {
+                **(self.speculative_config or {}),
+                **{key: v for key, v in aliases.items() if v is not None},
+            }
             self.spec_method = self.spec_model = self.spec_tokens = None
         if not isinstance(self.speculative_config, dict) or self.speculative_config.get("method") != METHOD:
             return make_config(self, *args, **kwargs)

@@ -122,7 +122,7 @@ class _Req:
         end = self.n + len(tokens)
         if end > len(self.buf):
             self.buf = np.concatenate([self.buf, np.zeros(max(end, len(self.buf)), np.int32)])
-        self.buf[self.n: end] = tokens
+        self.buf[self.n : end] = tokens
         self.n = end
         self.output.extend(tokens)
 
@@ -165,8 +165,13 @@ class HvdProposer:
     policy = "cost"
     timed = True  # time vLLM's steps for the cost table (else the static GPU-like one)
 
-    def __init__(self, vllm_config, model: ModelDrafter | None = None, model_accept: float | None = None,
-                 model_token_cost: float = EAGLE3_TOKEN_COST) -> None:
+    def __init__(
+        self,
+        vllm_config,
+        model: ModelDrafter | None = None,
+        model_accept: float | None = None,
+        model_token_cost: float = EAGLE3_TOKEN_COST,
+    ) -> None:
         spec = vllm_config.speculative_config
         mc = vllm_config.model_config
         self.k = int(spec.num_speculative_tokens)
@@ -179,8 +184,9 @@ class HvdProposer:
         if self.policy != "always-cache":
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(mc.tokenizer,
-                                                trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
+            tok = AutoTokenizer.from_pretrained(
+                mc.tokenizer, trust_remote_code=bool(getattr(mc, "trust_remote_code", False))
+            )
             self.flags = VocabFlags.from_tokenizer(tok, int(mc.get_vocab_size()))
             g = load_predictor(os.environ.get("HVD_RAY_PREDICTOR") or None)
             cost = os.environ.get("HVD_VLLM_VERIFY_COST")
@@ -188,9 +194,19 @@ class HvdProposer:
             # no table given: start from the GPU-like one (long drafts nearly free: an optimistic
             # prior, so wide steps happen and get timed) and switch to the timed one once it exists
             self.clock = StepClock() if not cost and self.policy == "cost" and self.timed else None
-            self.decider = (CostPolicy(g, self.cache, model, self.flags, cost_table=table, model_accept=model_accept,
-                                       model_token_cost=model_token_cost) if self.policy == "cost"
-                            else TauPolicy(g, self.cache, model, self.flags))
+            self.decider = (
+                CostPolicy(
+                    g,
+                    self.cache,
+                    model,
+                    self.flags,
+                    cost_table=table,
+                    model_accept=model_accept,
+                    model_token_cost=model_token_cost,
+                )
+                if self.policy == "cost"
+                else TauPolicy(g, self.cache, model, self.flags)
+            )
         self._t_end: float | None = None  # when the last propose call returned
         self._width: int | None = None  # tokens the step after it scores (None: not known)
         self._rows: list[_Req | None] = []  # the request in each row last step
@@ -204,12 +220,19 @@ class HvdProposer:
         """vLLM calls this with the target model; the trees need nothing from it."""
 
     # ------------------------------------------------------------------ vLLM's hook
-    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
-                token_ids_cpu: np.ndarray, slot_mappings=None, **_) -> list[list[int]]:
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings=None,
+        **_,
+    ) -> list[list[int]]:
         return self.finish(self.plan(sampled_token_ids, num_tokens_no_spec, token_ids_cpu))
 
-    def plan(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
-             token_ids_cpu: np.ndarray) -> list[Pick]:
+    def plan(
+        self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
+    ) -> list[Pick]:
         """Book the tokens each row emitted and decide, per row, what it verifies next step."""
         t0 = time.perf_counter()
         rows = self._track(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
@@ -226,11 +249,14 @@ class HvdProposer:
             one = (t0 - self._t_end) / self.decider.costs.batch(batch, self._width)
             old = self.decider.forward_s
             self.decider.forward_s = one if old is None else 0.9 * old + 0.1 * one
-        return [self._decide(r, int(num_tokens_no_spec[i]), batch) if r is not None else NO_DRAFT
-                for i, r in enumerate(rows)]
+        return [
+            self._decide(r, int(num_tokens_no_spec[i]), batch) if r is not None else NO_DRAFT
+            for i, r in enumerate(rows)
+        ]
 
-    def finish(self, picks: Sequence[Pick], model_tokens: Sequence[Sequence[int]] | None = None,
-               draft_s: float = 0.0) -> list[list[int]]:
+    def finish(
+        self, picks: Sequence[Pick], model_tokens: Sequence[Sequence[int]] | None = None, draft_s: float = 0.0
+    ) -> list[list[int]]:
         """Each row's draft for vLLM: the cache tokens picked, or the first ``length`` tokens of the
         row's model draft (``model_tokens``, one per row, drafted for the rows that chose the model;
         ``draft_s``: the seconds that drafting took)."""
@@ -325,10 +351,18 @@ class HvdProposer:
         if not len(long) and not model_len:
             return NO_DRAFT
         draft = nominal(long, min(NOMINAL, room, unextended(long, self.cache))) if len(long) else Draft()
-        phi = features(draft, prompt_len=r.prompt_len, generated=len(r.output), max_tokens=self.max_tokens,
-                       last_token=r.output[-1], history=r.history, flags=self.flags)
-        view = StepView(phi, len(draft), model_len, cache_long=len(long), batch=batch, cache_probs=long.probs,
-                        context=r.n)
+        phi = features(
+            draft,
+            prompt_len=r.prompt_len,
+            generated=len(r.output),
+            max_tokens=self.max_tokens,
+            last_token=r.output[-1],
+            history=r.history,
+            flags=self.flags,
+        )
+        view = StepView(
+            phi, len(draft), model_len, cache_long=len(long), batch=batch, cache_probs=long.probs, context=r.n
+        )
         if isinstance(self.decider, CostPolicy):
             key = CostPolicy.cache_key(draft.source, draft.match_len, len(r.output))
             m, m_len = self.decider.request_model(r.key, model_len) if model_len else (None, None)
@@ -351,8 +385,9 @@ class HvdProposer:
             out["costs"] = {str(w): round(c, 3) for w, c in sorted(self.decider.costs.table.items())}
             out["costs_timed"] = self.clock is not None and self.clock.table() is not None
             if self.clock is not None:  # seconds per step width, and how many steps each has
-                out["step_s"] = {str(w): [round(t, 4), self.clock.samples[w]]
-                                 for w, t in sorted(self.clock.seconds.items())}
+                out["step_s"] = {
+                    str(w): [round(t, 4), self.clock.samples[w]] for w, t in sorted(self.clock.seconds.items())
+                }
             if self.model is not None:
                 out["model_accept"] = round(self.decider.model_accept, 3)
                 if self.decider.model_draft_cost is not None:

@@ -22,8 +22,7 @@ class HvdWorkerExtension:
         runner = self.model_runner
         if getattr(runner, "_hvd_counts", None) is not None:
             return
-        counts = runner._hvd_counts = {"forwards": 0, "prefill_forwards": 0, "scheduled_tokens": 0,
-                                       "draft_tokens": 0}
+        counts = runner._hvd_counts = {"forwards": 0, "prefill_forwards": 0, "scheduled_tokens": 0, "draft_tokens": 0}
         inner = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):

@@ -17,8 +17,11 @@ TOOL_CHARS = 8000  # about 2,000 SmolLM2 tokens of schemas
 def agent_prompts(split: str | None = "test", tool_chars: int = TOOL_CHARS) -> list[Prompt]:
     """Every function-calling question of ``split`` (Java / JavaScript ones left out: their schemas
     follow another language's conventions) under one shared system prompt of tools."""
-    tasks = [p for p in load_workload("function_calling", split=split)
-             if p.meta.get("functions") and "java" not in p.meta.get("category", "")]
+    tasks = [
+        p
+        for p in load_workload("function_calling", split=split)
+        if p.meta.get("functions") and "java" not in p.meta.get("category", "")
+    ]
     tools: list[dict] = []
     names: set[str] = set()
     size = 0
@@ -30,9 +33,15 @@ def agent_prompts(split: str | None = "test", tool_chars: int = TOOL_CHARS) -> l
             names |= {f["name"] for f in new}
             size += cost
     system = {"role": "system", "content": _fc_system_prompt(tools)}
-    return [Prompt(id=f"agent/{p.id}", workload="function_calling", messages=[system, p.messages[-1]],
-                   meta={"tools": len(tools), "task_tools_listed": all(f["name"] in names for f in p.meta["functions"])})
-            for p in tasks]
+    return [
+        Prompt(
+            id=f"agent/{p.id}",
+            workload="function_calling",
+            messages=[system, p.messages[-1]],
+            meta={"tools": len(tools), "task_tools_listed": all(f["name"] in names for f in p.meta["functions"])},
+        )
+        for p in tasks
+    ]
 
 
 __all__ = ["TOOL_CHARS", "agent_prompts"]

@@ -236,9 +236,7 @@ def load_bfcl_multi_turn(category: str = "multi_turn_base") -> list[Prompt]:
             if cls not in docs:
                 docs[cls] = _bfcl_class_docs(cls)
             functions += [
-                {k: v for k, v in f.items() if k != "response"}
-                for f in docs[cls]
-                if f["name"] not in held_out
+                {k: v for k, v in f.items() if k != "response"} for f in docs[cls] if f["name"] not in held_out
             ]
         turns = [[{"role": m["role"], "content": m["content"]} for m in turn] for turn in row["question"]]
         prompts.append(
@@ -281,9 +279,14 @@ def load_bfcl_chat() -> list[Prompt]:
             if not users or users[-1]["content"] in seen:
                 continue
             seen.add(users[-1]["content"])
-            group.append(Prompt(id=f"bfcl/{category}/{row['id']}/chat", workload="chat",
-                                messages=[{"role": "user", "content": users[-1]["content"]}],
-                                meta={"dataset": "bfcl", "category": category, "bfcl_id": row["id"], "as_chat": True}))
+            group.append(
+                Prompt(
+                    id=f"bfcl/{category}/{row['id']}/chat",
+                    workload="chat",
+                    messages=[{"role": "user", "content": users[-1]["content"]}],
+                    meta={"dataset": "bfcl", "category": category, "bfcl_id": row["id"], "as_chat": True},
+                )
+            )
         groups.append(group)
     return _interleave(groups)
 
@@ -326,8 +329,13 @@ def load_code_edit() -> list[Prompt]:
                 workload="code_edit",
                 messages=[{"role": "user", "content": _CODE_EDIT_USER.format(task=task, code=code)}],
                 raw=None,
-                meta={"dataset": "humaneval", "task_id": row["task_id"], "edit": task,
-                      "entry_point": row["entry_point"], "test": row["test"]},
+                meta={
+                    "dataset": "humaneval",
+                    "task_id": row["task_id"],
+                    "edit": task,
+                    "entry_point": row["entry_point"],
+                    "test": row["test"],
+                },
             )
         )
     return prompts

@@ -17,8 +17,9 @@ _WORDS = re.compile(r"\w+")
 
 def user_turn_prefix(tokenizer: Any) -> str:
     """The rendered chat up to where a user message's text starts (system prompt included)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False,
-                                         add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _MARKER}], tokenize=False, add_generation_prompt=False
+    )
     if _MARKER not in text:
         raise ValueError("the chat template does not place the user message verbatim")
     return text[: text.index(_MARKER)]

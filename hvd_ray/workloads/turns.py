@@ -26,9 +26,12 @@ def second_turn(prompt: Prompt, answer: str) -> Prompt:
     """``prompt``'s messages, ``answer`` as the assistant's turn, then the workload's follow-up; id
     ``<id>/again`` (``split_of`` drops the suffix, so both turns share a split)."""
     follow = FOLLOW_UPS.get(prompt.workload, DEFAULT_FOLLOW_UP)
-    return Prompt(prompt.id + SUFFIX, prompt.workload,
-                  [*prompt.messages, {"role": "assistant", "content": answer}, {"role": "user", "content": follow}],
-                  meta=dict(prompt.meta))
+    return Prompt(
+        prompt.id + SUFFIX,
+        prompt.workload,
+        [*prompt.messages, {"role": "assistant", "content": answer}, {"role": "user", "content": follow}],
+        meta=dict(prompt.meta),
+    )
 
 
 def is_second_turn(prompt_id: str) -> bool:
