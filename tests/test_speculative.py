@@ -9,7 +9,7 @@ import torch
 # real-model fixtures (``target``, ``prompts``, ``plain``) and MAX_NEW live in conftest.py (session
 # scope: test_tiered.py checks the slim tier against the same plain greedy outputs)
 from conftest import (
-    MAX_NEW,  # noqa: E402,F401
+    MAX_NEW,
     make_tiny,
     second_token_marginal,
     second_token_pvalue,

@@ -22,7 +22,7 @@ from hvd_ray.workloads import (  # noqa: E402
     DatasetNotInstalledError,
     Prompt,
     conversation_id,
-    datasets,  # noqa: E402
+    datasets,
     load_bfcl,
     load_bfcl_chat,
     load_bfcl_multi_turn,
