@@ -16,47 +16,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_vllm_serve import AGENT_TOOLS, TRIP  # the travel agent both served tests ask
 
 SERVE_LLM_PYTHON = os.environ.get("HVD_SERVE_LLM_PYTHON", str(Path.home() / ".cache/hvd-peers/serve-llm/bin/python"))
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "serve_llm_hvd.yaml"
-TOOLS = [  # (tests/test_vllm_serve.py's agent: with tool_choice="required" the default model calls them)
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search_flights",
-            "description": "Search flights on a date",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "origin": {"type": "string"},
-                    "destination": {"type": "string"},
-                    "date": {"type": "string"},
-                },
-                "required": ["origin", "destination", "date"],
-            },
-        },
-    },
-]
-TRIP = [
-    {"role": "system", "content": "You are a travel assistant. Use the tools."},
-    {
-        "role": "user",
-        "content": "Find me a flight from Boston to Paris on 2026-12-24, and tell me the weather in Paris.",
-    },
-]
 
 
 def session_pids(sid: int) -> list[int]:
@@ -241,7 +205,7 @@ def test_serve_run_of_the_ray_serve_llm_config_answers_the_openai_client(tmp_pat
             ch = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=32, temperature=0).choices[0]
             assert ch.message.content == want, (ch.message.content, want)
         ch = client.chat.completions.create(
-            model=model_id, messages=TRIP, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0
+            model=model_id, messages=TRIP, tools=AGENT_TOOLS, tool_choice="required", max_tokens=96, temperature=0
         ).choices[0]
         assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
         assert {c.function.name for c in ch.message.tool_calls} <= {"get_weather", "search_flights"}, ch

@@ -38,6 +38,13 @@ AGENT_TOOLS = [
         },
     },
 ]
+TRIP = [
+    {"role": "system", "content": "You are a travel assistant. Use the tools."},
+    {
+        "role": "user",
+        "content": "Find me a flight from Boston to Paris on 2026-12-24, and tell me the weather in Paris.",
+    },
+]
 PERSON = {
     "type": "object",
     "required": ["name", "age", "languages"],
@@ -56,15 +63,8 @@ def agent_calls(url: str) -> list[dict]:
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
-    trip = [
-        {"role": "system", "content": "You are a travel assistant. Use the tools."},
-        {
-            "role": "user",
-            "content": "Find me a flight from Boston to Paris on 2026-12-24, and tell me the weather in Paris.",
-        },
-    ]
     asks = [
-        dict(messages=trip, tools=AGENT_TOOLS, tool_choice=c, max_tokens=n)
+        dict(messages=TRIP, tools=AGENT_TOOLS, tool_choice=c, max_tokens=n)
         for c, n in (("required", 96), ({"type": "function", "function": {"name": "search_flights"}}, 48), ("auto", 32))
     ]
     asks.append(
