@@ -273,6 +273,19 @@ def test_step_clock_times_widths_relative_to_one_token():
     assert c.table() == pytest.approx({1: 1.0, 8: 2.5, 32: 2.5})
 
 
+def test_step_clock_prices_a_batch_that_never_runs_one_token():
+    """Eight rows never make a one-token step: the clock still prices widths, its unit (width 1)
+    taken from the line through the timed widths, so a loaded server leaves the GPU-like prior."""
+    from hvd_ray.vllm.proposer import CLOCK_MIN, StepClock
+
+    c = StepClock()
+    for _ in range(CLOCK_MIN):
+        c.add(8, 0.040)  # 0.030 s + 1.25 ms per token
+        assert c.table() is None
+        c.add(32, 0.070)
+    assert c.table() == pytest.approx({1: 1.0, 8: 0.040 / 0.03125, 32: 0.070 / 0.03125})
+
+
 def test_nothing_but_hvd_ray_vllm_imports_it():
     """The core never imports the vLLM integration (tests/test_layers.py places it in layer 7)."""
     from test_layers import graph
