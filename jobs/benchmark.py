@@ -13,6 +13,8 @@ Modes:
           interpreter: target forwards, tokens per forward, tok/s (hvd_ray/bench/vllm_bench.py)
   vllm-serve  vLLM's own OpenAI server (none, suffix, eagle3, the plug-in's hvd) under vLLM's own load
           client at each --concurrency (hvd_ray/bench/vllm_load.py; workload default: agent)
+  where   where a concurrent load's time goes: our engine's steps taken apart in one process (greedy and
+          --drafters), then our server and vLLM-CPU's under vLLM's own client (hvd_ray/bench/where_time.py)
 
     python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
@@ -21,6 +23,7 @@ Modes:
     python jobs/benchmark.py http [--quick] [--servers none hvd:mirror hvd:remote]
     python jobs/benchmark.py vllm --vllm-python VENV/bin/python [--workloads function_calling code] [--prompts 4]
     python jobs/benchmark.py vllm-serve --vllm-python VENV/bin/python --concurrency 1 4 8 --max-prompt-tokens 4096
+    python jobs/benchmark.py where --drafters hvd --concurrency 8 --max-prompt-tokens 4096 --vllm-python VENV/bin/python
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from hvd_ray.bench.serve import bench_http_servers
 from hvd_ray.bench.spec import bench_spec
 from hvd_ray.bench.vllm_bench import bench_vllm
 from hvd_ray.bench.vllm_load import bench_vllm_serve
+from hvd_ray.bench.where_time import bench_where
 from hvd_ray.build import add_spec_arguments
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -53,7 +57,10 @@ WORKLOADS = ("function_calling", "code", "code_edit", "chat")  # multi-turn BFCL
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "mode", nargs="?", default="report", choices=["report", "engine", "spec", "batch", "http", "vllm", "vllm-serve"]
+        "mode",
+        nargs="?",
+        default="report",
+        choices=["report", "engine", "spec", "batch", "http", "vllm", "vllm-serve", "where"],
     )
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
@@ -164,9 +171,13 @@ def main() -> None:
         )
     except (OSError, ValueError) as e:
         ap.error(f"--prompt-file: {e}")
-    default_workloads = {"vllm": ["function_calling", "code"], "vllm-serve": ["agent"]}.get(args.mode, list(WORKLOADS))
+    default_workloads = {"vllm": ["function_calling", "code"], "vllm-serve": ["agent"], "where": ["agent"]}.get(
+        args.mode, list(WORKLOADS)
+    )
     args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else default_workloads)
-    args.max_tokens = args.max_tokens or (32 if args.quick else {"engine": 64, "vllm-serve": 96}.get(args.mode, 128))
+    args.max_tokens = args.max_tokens or (
+        32 if args.quick else {"engine": 64, "vllm-serve": 96, "where": 96}.get(args.mode, 128)
+    )
     args.reps = args.reps or (2 if args.quick else 3)
     if args.mode == "http":
         args.http_out = args.out or BENCHMARKS / "http.md"
@@ -178,6 +189,7 @@ def main() -> None:
         "vllm": bench_vllm,
         "batch": bench_batch,
         "vllm-serve": bench_vllm_serve,
+        "where": bench_where,
     }[args.mode](args)
     write(report, Path(args.out or BENCHMARKS / f"{args.mode.replace('-', '_')}.md"))
 

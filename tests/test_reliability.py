@@ -150,8 +150,9 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
         {"messages": MSG, "repetition_penalty": 1.1},
         400,
         "repetition_penalty",
-        "unsupported_parameter",
+        "unsupported_value",
     ),
+    "repetition_penalty_neutral": (COMP, {"prompt": "x", "max_tokens": 2, "repetition_penalty": 1.0}, 200, None, None),
     "min_p_unsupported": (COMP, {"prompt": "x", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
     "chat_template_kwargs_tools": (
         CHAT,

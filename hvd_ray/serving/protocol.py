@@ -126,6 +126,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    # extension (vLLM); its benchmark client sends the neutral 1.0 with every request
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(None, max_length=256)
 
@@ -151,6 +153,13 @@ class _Common(BaseModel):
         if self.presence_penalty or self.frequency_penalty:
             param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise APIError(400, f"{param} is not supported (must be 0)", param=param, code="unsupported_value")
+        if self.repetition_penalty != 1.0:
+            raise APIError(
+                400,
+                "repetition_penalty is not supported (must be 1)",
+                param="repetition_penalty",
+                code="unsupported_value",
+            )
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
         if self.stream_options is not None and not self.stream:

