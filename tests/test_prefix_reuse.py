@@ -128,3 +128,36 @@ def test_reuse_slots_keep_a_retry_in_store_while_others_run(target, prompts):
         alone.generate([p], params)
     # one slot: it holds the last request (the shared function-calling system prompt at most)
     assert alone.slots == 1 and alone.generate([prompts[8]], params)[0].stats.cached_tokens < len(prompts[8]) // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["none", "hvd"])
+def test_concurrent_requests_copy_a_shared_prompt_prefix_from_a_running_one(drafter, target, prompts):
+    """Agents send one tool list with every call. A request prefilled in the same step as another
+    with the same system prompt, or arriving while one runs, copies those K/V from it instead of
+    recomputing them (no finished request's slot holds them yet); outputs equal the same engine's
+    without reuse."""
+    from hvd_ray.engine.engine import MIN_REUSE, common_prefix
+
+    model, tok = target
+    params = SamplingParams(max_tokens=MAX_NEW)
+    later = prompts[8] + _follow_up(tok)  # e.g. the same agent's next call
+
+    def run(reuse: bool):
+        spec = EngineSpec(drafter=drafter, max_batch=3, max_len=1024, num_draft_tokens=6, prefix_reuse=reuse)
+        eng = build_engine(spec, model, tok)
+        first = [eng.add_request(p, params) for p in (prompts[8], prompts[9])]  # admitted in one step
+        eng.step()
+        eng.step()
+        assert not any(r.finished for r in first)
+        third = eng.add_request(later, params)
+        while eng.has_unfinished():
+            eng.step()
+        return [*first, third]
+
+    reqs, alone = run(True), run(False)
+    assert [r.output for r in reqs] == [r.output for r in alone]
+    assert all(r.stats.cached_tokens == 0 for r in alone)
+    shared = common_prefix(prompts[8], prompts[9], len(prompts[9]) - 1)
+    assert shared >= MIN_REUSE  # the function-calling system prompt
+    assert [r.stats.cached_tokens for r in reqs] == [0, shared, len(prompts[8])]

@@ -300,8 +300,11 @@ class Engine:
         lengths would only add padding work, and a lone sequence takes the fused causal kernel."""
         dev = self.model.device
         results = []
+        computed = [r for r in self.running if not r.finished and r.slot >= 0]  # prompts whose K/V exist
         for req in reqs:
             t0 = time.perf_counter()
+            if self.prefix_reuse:
+                self._share_prefix(req, computed)
             c = self.model.cache.lengths[req.slot]  # K/V already there (prefix reuse)
             out = self.model(torch.tensor([req.prompt[c:]], device=dev), [req.slot], taps=self.taps, last_only=True)
             try:
@@ -311,9 +314,31 @@ class Engine:
                 if self.taps:
                     self._observe(req, req.prompt[c + 1 :] + [first], out.taps, 0, slice(0, len(req.prompt) - c))
                 results.append(self._emit(req, [first]))
+                computed.append(req)
             except Exception as e:  # noqa: BLE001
                 self._fail(req, e, "sampling the first token")
         return results
+
+    def _share_prefix(self, req: Request, computed: list[Request]) -> None:
+        """Copy into ``req``'s slot the K/V of the longest prefix its prompt shares with the prompt of
+        a request whose prompt is computed (running, or prefilled earlier in this step), where that
+        beats what its slot already holds. Concurrent agents send one tool list with every call:
+        without this, each recomputed it until one of them had finished and left its slot to reuse.
+        A prompt's K/V never change while its request runs (rollback and compaction touch only
+        positions past it)."""
+        cache = self.model.cache
+        best, src = max(cache.lengths[req.slot], MIN_REUSE - 1), None
+        for r in computed:
+            n = common_prefix(r.prompt, req.prompt, min(len(r.prompt), len(req.prompt) - 1))
+            if n > best:
+                best, src = n, r
+        if src is None:
+            return
+        cache.copy_prefix(src.slot, req.slot, best)
+        cache.tokens[req.slot] = req.prompt[:best]
+        req.stats.cached_tokens = best
+        for d in self.drafters:
+            d.reuse_prefix(req.req_id, best)
 
     def _first_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         if all(r.params.greedy for r in reqs):

@@ -79,7 +79,8 @@ class StepRecord:
 @dataclass
 class RequestStats:
     prefill_s: float = 0.0
-    cached_tokens: int = 0  # prompt tokens whose K/V a finished request left in the slot (not prefilled)
+    cached_tokens: int = 0  # prompt tokens whose K/V were copied, not prefilled (prefix reuse: a finished
+    # request's slot, or the prompt of one running)
     decode_s: float = 0.0
     target_forwards: int = 0  # full-target forwards, prefill included
     slim_forwards: int = 0  # slim-verifier (q') forwards of the VIA-SD tier
