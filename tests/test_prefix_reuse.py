@@ -161,3 +161,30 @@ def test_concurrent_requests_copy_a_shared_prompt_prefix_from_a_running_one(draf
     shared = common_prefix(prompts[8], prompts[9], len(prompts[9]) - 1)
     assert shared >= MIN_REUSE  # the function-calling system prompt
     assert [r.stats.cached_tokens for r in reqs] == [0, shared, len(prompts[8])]
+
+
+@pytest.mark.slow
+def test_rows_sharing_a_long_prefix_attend_over_it_once_and_decode_the_same(target, monkeypatch):
+    """Three agent calls sharing a 2,000-token tool list at batch 3: the later two copy the first's
+    K/V, and the three rows then attend over the shared rows once per forward (``cascade_attend``);
+    greedy outputs equal the same engine's without reuse, where every row attends over its own."""
+    from hvd_ray.model.transformer import CASCADE_MIN, Attention
+    from hvd_ray.workloads import render
+    from hvd_ray.workloads.agent import agent_prompts
+
+    model, tok = target
+    calls = [tok(render(p, tok), add_special_tokens=False)["input_ids"] for p in agent_prompts()[:3]]
+    cascaded = []
+    inner = Attention._cascade
+    monkeypatch.setattr(
+        Attention, "_cascade", staticmethod(lambda q, kc, vc, ctx: cascaded.append(ctx.cascade) or inner(q, kc, vc, ctx))
+    )
+
+    def run(reuse: bool):
+        spec = EngineSpec(drafter="none", max_batch=3, max_len=2560, prefix_reuse=reuse)
+        return build_engine(spec, model.with_own_cache(), tok).generate(calls, SamplingParams(max_tokens=MAX_NEW))
+
+    shared, alone = run(True), run(False)
+    assert [r.output for r in shared] == [r.output for r in alone]
+    assert [r.stats.cached_tokens > CASCADE_MIN for r in shared] == [False, True, True]
+    assert cascaded and all(len(rows) == 3 and n > CASCADE_MIN for c in cascaded for rows, _, n, _, _ in c)

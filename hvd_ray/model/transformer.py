@@ -218,6 +218,43 @@ def sdpa_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return out.transpose(1, 2).reshape(B, T, H * D).to(q.dtype)
 
 
+def _attend_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` [B, KV, L, D] (already scaled by ``D**-0.5``) over ``k``/``v`` [B, KV, S, D]
+    with an additive ``bias`` [B, 1, L, S] (or None): (output [B, KV, L, D] in fp32, log-sum-exp of
+    the scores [B, KV, L, 1]). On CPU this is SDPA's own fused kernel, which returns the
+    log-sum-exp; elsewhere two matmuls."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=None if bias is None else bias.to(q.dtype), scale=1.0
+        )
+        return out.float(), lse.float().unsqueeze(-1)
+    s = torch.matmul(q, k.transpose(2, 3)).float()
+    if bias is not None:
+        s = s + bias
+    lse = s.logsumexp(-1, keepdim=True)
+    return torch.matmul((s - lse).exp().to(v.dtype), v).float(), lse
+
+
+def cascade_attend(q: Tensor, kp: Tensor, vp: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+    """``attend`` for rows that share their first keys: ``kp``/``vp`` [KV, n, D], one copy of the
+    shared keys, then each row's own ``k``/``v`` [B, KV, S, D] (``bias`` [B, 1, G*T, S] as in
+    ``attend``, or None). Every row's queries meet the shared keys in one pass per KV head: the
+    rows' copies of a long shared prompt (an agent's tool list) are read once per forward, not once
+    per row. The two parts are merged exactly by their log-sum-exps (as FlashAttention merges
+    blocks); only the summation order differs from attending over each row's keys."""
+    B, T, H, D = q.shape
+    KV = kp.shape[0]
+    G = H // KV
+    qs = q.to(kp.dtype).reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D) * (D**-0.5)
+    o1, l1 = _attend_lse(qs.transpose(0, 1).reshape(1, KV, B * G * T, D), kp.unsqueeze(0), vp.unsqueeze(0), None)
+    o1, l1 = (x.reshape(KV, B, G * T, -1).transpose(0, 1) for x in (o1, l1))
+    o2, l2 = _attend_lse(qs, k, v, bias)
+    m = torch.maximum(l1, l2)
+    a1, a2 = (l1 - m).exp_(), (l2 - m).exp_()
+    out = (o1 * a1 + o2 * a2) / (a1 + a2)
+    return out.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D).to(q.dtype)
+
+
 def bf16_decode_sdpa(keys: int) -> bool:
     """Whether a decode forward (one new token per row) reading ``keys`` cached positions in all
     (rows x span) over a bf16 CPU cache attends through ``sdpa_attend``, else ``attend`` in bf16
@@ -368,6 +405,8 @@ class Attention(nn.Module):
             # each run of consecutive slots reads its cache rows as a view: gathering the rows of
             # scattered slots (requests finish at different steps) would copy every layer's K/V
             # (packed rows: a run holds rows of one real length w and attends with its w queries only)
+            if ctx.cascade:
+                return reduce_shards(linear(self._cascade(q, kc, vc, ctx), self.wo), self.tp_group)
             parts = [
                 ctx.attend(
                     q[r : r + b - a, :w],
@@ -383,6 +422,36 @@ class Attention(nn.Module):
                 out = parts[0] if len(parts) == 1 else torch.cat(parts)
             return reduce_shards(linear(out, self.wo), self.tp_group)
         return reduce_shards(linear(ctx.attend(q, keys, vals, ctx.mask), self.wo), self.tp_group)
+
+    @staticmethod
+    def _cascade(q: Tensor, kc: Tensor, vc: Tensor, ctx: _StepContext) -> Tensor:
+        """Attention of a batch (equal widths, no packing) some of whose rows share a prefix copy."""
+        B, T, H, D = q.shape
+        out = q.new_empty(B, T, H * D)
+        for rows, src, n, slots, bias in ctx.cascade:
+            if isinstance(slots, range):  # consecutive slots: a view, no copy
+                own_k, own_v = (
+                    kc[slots.start : slots.stop, :, n : ctx.span],
+                    vc[slots.start : slots.stop, :, n : ctx.span],
+                )
+            else:
+                own_k = kc[:, :, n : ctx.span].index_select(0, slots)
+                own_v = vc[:, :, n : ctx.span].index_select(0, slots)
+            part = cascade_attend(q.index_select(0, rows), kc[src, :, :n], vc[src, :, :n], own_k, own_v, bias)
+            out.index_copy_(0, rows, part)
+        if ctx.rest is not None:
+            qr = q.index_select(0, ctx.rest)
+            parts = [
+                ctx.attend(
+                    qr[r : r + b - a],
+                    kc[a:b, :, :span],
+                    vc[a:b, :, :span],
+                    None if ctx.rest_mask is None else ctx.rest_mask[r : r + b - a, ..., :span],
+                )
+                for a, b, r, span, _ in ctx.runs
+            ]
+            out.index_copy_(0, ctx.rest, parts[0] if len(parts) == 1 else torch.cat(parts))
+        return out
 
 
 class MLP(nn.Module):
@@ -435,6 +504,11 @@ class KVCache:
         self.lengths = [0] * slots
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
         self.max_len = max_len
+        # origin[slot] = (lineage, n): the slot's first n rows are bitwise copies of the rows every
+        # other slot of that lineage holds there (``copy_prefix``), so a batch's rows of one lineage
+        # can attend over those rows once (``cascade_attend``); None: the slot's rows are its own
+        self.origin: list[tuple[int, int] | None] = [None] * slots
+        self._lineages = itertools.count()
 
     @property
     def slots(self) -> int:
@@ -447,6 +521,7 @@ class KVCache:
         self.lengths[slot] = length
         if len(self.tokens[slot]) > length:
             del self.tokens[slot][length:]
+        self.rewritten(slot, length)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Slot ``dst`` becomes the first ``n`` rows of slot ``src`` (and their token record)."""
@@ -457,6 +532,17 @@ class KVCache:
             vc[dst, :, :n] = vc[src, :, :n]
         self.lengths[dst] = n
         self.tokens[dst] = self.tokens[src][:n]
+        if self.origin[src] is None:
+            self.origin[src] = (next(self._lineages), self.lengths[src])
+        lineage, shared = self.origin[src]
+        self.origin[dst] = (lineage, min(shared, n))
+
+    def rewritten(self, slot: int, start: int) -> None:
+        """Rows from ``start`` on are (to be) written anew: the slot's copy of its lineage ends there
+        (at 0 it has none: fresh rows)."""
+        o = self.origin[slot]
+        if o is not None and o[1] > start:
+            self.origin[slot] = (o[0], start) if start > 0 else None
 
     def compact(self, slot: int, start: int, keep: Sequence[int]) -> None:
         """Move entries at ``start + keep[i]`` to ``start + i`` and set the length to ``start + len(keep)``.
@@ -467,6 +553,7 @@ class KVCache:
         n = len(keep)
         if len(self.tokens[slot]) > start:
             del self.tokens[slot][start:]
+        self.rewritten(slot, start)
         if list(keep) != list(range(n)) and self.k[0].device.type == "cuda":
             from ..kernels import compact_kv  # Triton: in place, one launch per layer, no gathered copy
 
@@ -478,6 +565,10 @@ class KVCache:
                 vc[slot, :, start : start + n] = vc[slot, :, src]
         self.lengths[slot] = start + n
 
+
+# Rows whose slots hold copies of a shared prefix at least this long attend over it once per forward
+# (``cascade_attend``); below it the extra kernels per layer cost more than the shared reads save.
+CASCADE_MIN = 256
 
 # A row joins the run before it only while padding the run's rows to one key span wastes at most this
 # many (key, query) pairs: a run attends over its longest row's span. Plain decoding at concurrency 16
@@ -534,6 +625,11 @@ class _StepContext:
     valid: Tensor | None = None  # packed rows: flat indices of the real tokens in [B * T]
     padded: tuple[int, int] = (0, 0)  # (B, T) of the padded layout
     sdpa: bool = False  # a bf16 cache on CPU, unless a decode forward where attend is faster (bf16_decode_sdpa)
+    # rows that attend over a shared prefix once (cascade_attend): (rows, a slot holding the prefix,
+    # its length, the rows' slots, the own part's bias); the other rows: ``rest`` and ``runs``
+    cascade: list[tuple[Tensor, int, int, Tensor | range, Tensor | None]] = field(default_factory=list)
+    rest: Tensor | None = None
+    rest_mask: Tensor | None = None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         return (sdpa_attend if self.sdpa else attend)(q, k, v, mask)
@@ -678,7 +774,14 @@ class Transformer(nn.Module):
         if B > 1 and sum(n_new) < B * T:  # ragged rows: pack the real tokens
             real = torch.arange(T, device=dev)[None, :] < torch.tensor(n_new, device=dev)[:, None]
             ctx.valid, ctx.padded = real.view(-1).nonzero().squeeze(1), (B, T)
-        if contiguous is None:
+        for b, s in enumerate(slots):
+            cache.rewritten(s, starts[b])
+        if contiguous is None and ctx.valid is None and attn_mask is None:
+            self._plan_cascade(ctx, slots, starts, T)
+        if ctx.rest is not None:  # the rows outside the cascade groups, in their order
+            rest = ctx.rest.tolist()
+            ctx.runs = slot_runs([slots[b] for b in rest], [starts[b] for b in rest], [T] * len(rest))
+        elif contiguous is None:
             ctx.runs = slot_runs(slots, starts, n_new if ctx.valid is not None else [T] * B)
             ctx.slots_t = torch.tensor(list(slots), device=dev)
             ctx.slot_idx = ctx.slots_t[:, None].expand(B, T)
@@ -712,6 +815,41 @@ class Transformer(nn.Module):
             h = h[:, -1:]
         logits = linear(self.norm(h), self.output)
         return ForwardOutput(logits, [tapped[i] for i in taps])
+
+    def _plan_cascade(self, ctx: _StepContext, slots: Sequence[int], starts: Sequence[int], T: int) -> None:
+        """Group the batch's rows whose slots hold copies of one prefix of at least ``CASCADE_MIN``
+        rows (``KVCache.origin``, within every group row's context) for ``cascade_attend``."""
+        cache, dev = self.cache, ctx.cos.device
+        groups: dict[int, list[int]] = {}
+        for b, s in enumerate(slots):
+            if cache.origin[s] is not None:
+                groups.setdefault(cache.origin[s][0], []).append(b)
+        plan = []
+        for rows in groups.values():
+            n = min(min(cache.origin[slots[b]][1], starts[b]) for b in rows) if len(rows) > 1 else 0
+            if n >= CASCADE_MIN:
+                plan.append((rows, n))
+        if not plan:
+            return
+        G = self.cfg.n_heads // self.cfg.n_kv_heads
+        grouped = set()
+        for rows, n in plan:
+            idx = torch.tensor(rows, device=dev)
+            bias = None
+            if ctx.mask is not None:
+                m = ctx.mask.index_select(0, idx)[..., n:]
+                bias = mask_bias(m, G) if m.dtype == torch.bool else m
+            own = [slots[b] for b in rows]
+            if own == list(range(own[0], own[0] + len(own))):
+                slot_t = range(own[0], own[0] + len(own))
+            else:
+                slot_t = torch.tensor(own, device=dev)
+            ctx.cascade.append((idx, own[0], n, slot_t, bias))
+            grouped.update(rows)
+        rest = [b for b in range(len(slots)) if b not in grouped]
+        if rest:
+            ctx.rest = torch.tensor(rest, device=dev)
+            ctx.rest_mask = None if ctx.mask is None else ctx.mask.index_select(0, ctx.rest)
 
     def pack_weights(self) -> bool:
         """Give every Linear a oneDNN-prepacked copy of its weight (CPU: bf16 where the CPU has
