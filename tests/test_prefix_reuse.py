@@ -164,10 +164,12 @@ def test_concurrent_requests_copy_a_shared_prompt_prefix_from_a_running_one(draf
 
 
 @pytest.mark.slow
-def test_rows_sharing_a_long_prefix_attend_over_it_once_and_decode_the_same(target, monkeypatch):
+@pytest.mark.parametrize("drafter", ["none", "suffix"])
+def test_rows_sharing_a_long_prefix_attend_over_it_once_and_decode_the_same(drafter, target, monkeypatch):
     """Three agent calls sharing a 2,000-token tool list at batch 3: the later two copy the first's
-    K/V, and the three rows then attend over the shared rows once per forward (``cascade_attend``);
-    greedy outputs equal the same engine's without reuse, where every row attends over its own."""
+    K/V, and the three rows then attend over the shared rows once per forward (``cascade_attend``),
+    also when they verify drafts of different lengths (packed rows); greedy outputs equal the same
+    engine's without reuse, where every row attends over its own, and plain greedy decoding's."""
     from hvd_ray.model.transformer import CASCADE_MIN, Attention
     from hvd_ray.workloads import render
     from hvd_ray.workloads.agent import agent_prompts
@@ -177,14 +179,20 @@ def test_rows_sharing_a_long_prefix_attend_over_it_once_and_decode_the_same(targ
     cascaded = []
     inner = Attention._cascade
     monkeypatch.setattr(
-        Attention, "_cascade", staticmethod(lambda q, kc, vc, ctx: cascaded.append(ctx.cascade) or inner(q, kc, vc, ctx))
+        Attention,
+        "_cascade",
+        staticmethod(lambda q, kc, vc, ctx: cascaded.append((ctx.cascade, ctx.valid)) or inner(q, kc, vc, ctx)),
     )
 
-    def run(reuse: bool):
-        spec = EngineSpec(drafter="none", max_batch=3, max_len=2560, prefix_reuse=reuse)
+    def run(drafter: str, reuse: bool):
+        spec = EngineSpec(drafter=drafter, max_batch=3, max_len=2560, num_draft_tokens=6, prefix_reuse=reuse)
         return build_engine(spec, model.with_own_cache(), tok).generate(calls, SamplingParams(max_tokens=MAX_NEW))
 
-    shared, alone = run(True), run(False)
-    assert [r.output for r in shared] == [r.output for r in alone]
+    shared = run(drafter, True)
+    assert [r.output for r in shared] == [r.output for r in run(drafter, False)]
+    if drafter != "none":
+        assert [r.output for r in shared] == [r.output for r in run("none", False)]
     assert [r.stats.cached_tokens > CASCADE_MIN for r in shared] == [False, True, True]
-    assert cascaded and all(len(rows) == 3 and n > CASCADE_MIN for c in cascaded for rows, _, n, _, _ in c)
+    assert cascaded and all(len(rows) >= 2 and n > CASCADE_MIN for c, _ in cascaded for rows, _, n, *_ in c)
+    if drafter != "none":  # some steps verified drafts of different lengths: packed rows
+        assert any(valid is not None for _, valid in cascaded)

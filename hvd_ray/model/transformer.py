@@ -235,24 +235,35 @@ def _attend_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple[T
     return torch.matmul((s - lse).exp().to(v.dtype), v).float(), lse
 
 
-def cascade_attend(q: Tensor, kp: Tensor, vp: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+def cascade_attend(
+    q: Tensor, kp: Tensor, vp: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, real: Tensor | None = None
+) -> Tensor:
     """``attend`` for rows that share their first keys: ``kp``/``vp`` [KV, n, D], one copy of the
-    shared keys, then each row's own ``k``/``v`` [B, KV, S, D] (``bias`` [B, 1, G*T, S] as in
-    ``attend``, or None). Every row's queries meet the shared keys in one pass per KV head: the
-    rows' copies of a long shared prompt (an agent's tool list) are read once per forward, not once
-    per row. The two parts are merged exactly by their log-sum-exps (as FlashAttention merges
-    blocks); only the summation order differs from attending over each row's keys."""
-    B, T, H, D = q.shape
+    shared keys, then each row's own ``k``/``v`` [R, KV, S, D] (``bias`` [R, 1, G*T, S] as in
+    ``attend``, or None). ``q`` [R, T, H, D]; ``real``: the indices in ``R*T`` (row-major) of the
+    queries that are tokens, not padding (None: all). Returns [queries, H*D] for those.
+
+    Every row's queries meet the shared keys in one pass per KV head: the rows' copies of a long
+    shared prompt (an agent's tool list) are read once per forward, not once per row. The two parts
+    are merged exactly by their log-sum-exps (as FlashAttention merges blocks); only the summation
+    order differs from attending over each row's keys."""
+    R, T, H, D = q.shape
     KV = kp.shape[0]
     G = H // KV
-    qs = q.to(kp.dtype).reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, D) * (D**-0.5)
-    o1, l1 = _attend_lse(qs.transpose(0, 1).reshape(1, KV, B * G * T, D), kp.unsqueeze(0), vp.unsqueeze(0), None)
-    o1, l1 = (x.reshape(KV, B, G * T, -1).transpose(0, 1) for x in (o1, l1))
-    o2, l2 = _attend_lse(qs, k, v, bias)
+    qs = q.to(kp.dtype) * (D**-0.5)
+    flat = qs.reshape(R * T, KV, G, D)
+    if real is not None:
+        flat = flat.index_select(0, real)
+    N = flat.shape[0]
+    o1, l1 = _attend_lse(flat.permute(1, 0, 2, 3).reshape(1, KV, N * G, D), kp.unsqueeze(0), vp.unsqueeze(0), None)
+    o1, l1 = (x.reshape(KV, N, G, -1).transpose(0, 1) for x in (o1, l1))  # [N, KV, G, .]
+    o2, l2 = _attend_lse(qs.reshape(R, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(R, KV, G * T, D), k, v, bias)
+    o2, l2 = (x.reshape(R, KV, G, T, -1).permute(0, 3, 1, 2, 4).reshape(R * T, KV, G, -1) for x in (o2, l2))
+    if real is not None:
+        o2, l2 = o2.index_select(0, real), l2.index_select(0, real)
     m = torch.maximum(l1, l2)
     a1, a2 = (l1 - m).exp_(), (l2 - m).exp_()
-    out = (o1 * a1 + o2 * a2) / (a1 + a2)
-    return out.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D).to(q.dtype)
+    return ((o1 * a1 + o2 * a2) / (a1 + a2)).reshape(N, H * D).to(q.dtype)
 
 
 def bf16_decode_sdpa(keys: int) -> bool:
@@ -425,10 +436,11 @@ class Attention(nn.Module):
 
     @staticmethod
     def _cascade(q: Tensor, kc: Tensor, vc: Tensor, ctx: _StepContext) -> Tensor:
-        """Attention of a batch (equal widths, no packing) some of whose rows share a prefix copy."""
+        """Attention of a batch some of whose rows share a prefix copy (``ctx.cascade``); the other
+        rows attend per run as usual. Packed rows come back packed."""
         B, T, H, D = q.shape
-        out = q.new_empty(B, T, H * D)
-        for rows, src, n, slots, bias in ctx.cascade:
+        out = q.new_empty(B * T if ctx.valid is None else ctx.valid.numel(), H * D)
+        for rows, src, n, slots, bias, real, dest in ctx.cascade:
             if isinstance(slots, range):  # consecutive slots: a view, no copy
                 own_k, own_v = (
                     kc[slots.start : slots.stop, :, n : ctx.span],
@@ -437,21 +449,21 @@ class Attention(nn.Module):
             else:
                 own_k = kc[:, :, n : ctx.span].index_select(0, slots)
                 own_v = vc[:, :, n : ctx.span].index_select(0, slots)
-            part = cascade_attend(q.index_select(0, rows), kc[src, :, :n], vc[src, :, :n], own_k, own_v, bias)
-            out.index_copy_(0, rows, part)
+            part = cascade_attend(q.index_select(0, rows), kc[src, :, :n], vc[src, :, :n], own_k, own_v, bias, real)
+            out.index_copy_(0, dest, part)
         if ctx.rest is not None:
             qr = q.index_select(0, ctx.rest)
             parts = [
                 ctx.attend(
-                    qr[r : r + b - a],
+                    qr[r : r + b - a, :w],
                     kc[a:b, :, :span],
                     vc[a:b, :, :span],
-                    None if ctx.rest_mask is None else ctx.rest_mask[r : r + b - a, ..., :span],
-                )
-                for a, b, r, span, _ in ctx.runs
+                    None if ctx.rest_mask is None else run_bias(ctx.rest_mask[r : r + b - a, ..., :span], T, w),
+                ).reshape(-1, H * D)
+                for a, b, r, span, w in ctx.runs
             ]
-            out.index_copy_(0, ctx.rest, parts[0] if len(parts) == 1 else torch.cat(parts))
-        return out
+            out.index_copy_(0, ctx.rest_dest, parts[0] if len(parts) == 1 else torch.cat(parts))
+        return out.unsqueeze(0) if ctx.valid is not None else out.view(B, T, H * D)
 
 
 class MLP(nn.Module):
@@ -626,10 +638,12 @@ class _StepContext:
     padded: tuple[int, int] = (0, 0)  # (B, T) of the padded layout
     sdpa: bool = False  # a bf16 cache on CPU, unless a decode forward where attend is faster (bf16_decode_sdpa)
     # rows that attend over a shared prefix once (cascade_attend): (rows, a slot holding the prefix,
-    # its length, the rows' slots, the own part's bias); the other rows: ``rest`` and ``runs``
-    cascade: list[tuple[Tensor, int, int, Tensor | range, Tensor | None]] = field(default_factory=list)
+    # its length, the rows' slots, the own part's bias, their real queries, where their outputs go);
+    # the other rows: ``rest`` (attending per run: ``runs``), outputs to ``rest_dest``
+    cascade: list[tuple] = field(default_factory=list)
     rest: Tensor | None = None
     rest_mask: Tensor | None = None
+    rest_dest: Tensor | None = None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         return (sdpa_attend if self.sdpa else attend)(q, k, v, mask)
@@ -776,11 +790,12 @@ class Transformer(nn.Module):
             ctx.valid, ctx.padded = real.view(-1).nonzero().squeeze(1), (B, T)
         for b, s in enumerate(slots):
             cache.rewritten(s, starts[b])
-        if contiguous is None and ctx.valid is None and attn_mask is None:
-            self._plan_cascade(ctx, slots, starts, T)
+        if contiguous is None and attn_mask is None:
+            self._plan_cascade(ctx, slots, starts, n_new if ctx.valid is not None else [T] * B, T)
         if ctx.rest is not None:  # the rows outside the cascade groups, in their order
             rest = ctx.rest.tolist()
-            ctx.runs = slot_runs([slots[b] for b in rest], [starts[b] for b in rest], [T] * len(rest))
+            widths = n_new if ctx.valid is not None else [T] * B
+            ctx.runs = slot_runs([slots[b] for b in rest], [starts[b] for b in rest], [widths[b] for b in rest])
         elif contiguous is None:
             ctx.runs = slot_runs(slots, starts, n_new if ctx.valid is not None else [T] * B)
             ctx.slots_t = torch.tensor(list(slots), device=dev)
@@ -816,9 +831,12 @@ class Transformer(nn.Module):
         logits = linear(self.norm(h), self.output)
         return ForwardOutput(logits, [tapped[i] for i in taps])
 
-    def _plan_cascade(self, ctx: _StepContext, slots: Sequence[int], starts: Sequence[int], T: int) -> None:
+    def _plan_cascade(
+        self, ctx: _StepContext, slots: Sequence[int], starts: Sequence[int], widths: list[int], T: int
+    ) -> None:
         """Group the batch's rows whose slots hold copies of one prefix of at least ``CASCADE_MIN``
-        rows (``KVCache.origin``, within every group row's context) for ``cascade_attend``."""
+        rows (``KVCache.origin``, within every group row's context) for ``cascade_attend``, with
+        where each row's real queries sit and where their outputs go (packed rows: packed)."""
         cache, dev = self.cache, ctx.cos.device
         groups: dict[int, list[int]] = {}
         for b, s in enumerate(slots):
@@ -831,6 +849,13 @@ class Transformer(nn.Module):
                 plan.append((rows, n))
         if not plan:
             return
+        B = len(slots)
+        packed = {f: i for i, f in enumerate(ctx.valid.tolist())} if ctx.valid is not None else None
+
+        def dest(rows: list[int]) -> Tensor:
+            flat = [b * T + t for b in rows for t in range(widths[b])]
+            return torch.tensor(flat if packed is None else [packed[f] for f in flat], device=dev)
+
         G = self.cfg.n_heads // self.cfg.n_kv_heads
         grouped = set()
         for rows, n in plan:
@@ -840,16 +865,18 @@ class Transformer(nn.Module):
                 m = ctx.mask.index_select(0, idx)[..., n:]
                 bias = mask_bias(m, G) if m.dtype == torch.bool else m
             own = [slots[b] for b in rows]
-            if own == list(range(own[0], own[0] + len(own))):
-                slot_t = range(own[0], own[0] + len(own))
-            else:
-                slot_t = torch.tensor(own, device=dev)
-            ctx.cascade.append((idx, own[0], n, slot_t, bias))
+            consecutive = own == list(range(own[0], own[0] + len(own)))
+            slot_t = range(own[0], own[0] + len(own)) if consecutive else torch.tensor(own, device=dev)
+            real = None
+            if any(widths[b] < T for b in rows):
+                real = torch.tensor([i * T + t for i, b in enumerate(rows) for t in range(widths[b])], device=dev)
+            ctx.cascade.append((idx, own[0], n, slot_t, bias, real, dest(rows)))
             grouped.update(rows)
-        rest = [b for b in range(len(slots)) if b not in grouped]
+        rest = [b for b in range(B) if b not in grouped]
         if rest:
             ctx.rest = torch.tensor(rest, device=dev)
             ctx.rest_mask = None if ctx.mask is None else ctx.mask.index_select(0, ctx.rest)
+            ctx.rest_dest = dest(rest)
 
     def pack_weights(self) -> bool:
         """Give every Linear a oneDNN-prepacked copy of its weight (CPU: bf16 where the CPU has
