@@ -25,7 +25,7 @@ from pathlib import Path
 from ..build import build_engine
 from ..engine.engine import Engine
 from ..model import load, resolve
-from ..model.transformer import Transformer, _StepContext, slot_runs
+from ..model.transformer import Attention, Transformer, _StepContext, slot_runs
 from .batch import method_spec
 from .machine import DTYPE_NAMES, command, cpu_name, machine_line, versions
 from .prompts import prompt_ids
@@ -38,8 +38,10 @@ class Phases:
     def __init__(self) -> None:
         self.s = dict.fromkeys(("prefill", "stall", "forward", "attention", "drafting"), 0.0)
         self.keys_scored = self.keys_held = 0
+        self.rows = self.shared_rows = 0.0  # decode rows, and those attending over a shared prefix once
+        self.layers = ()  # the model's layers (the cascade runs once per layer)
         self.decode_forwards = 0
-        self._in_decode = False
+        self._in_decode = self._in_cascade = False
 
 
 @contextlib.contextmanager
@@ -52,6 +54,7 @@ def timing(ph: Phases):
         (Engine, "_drafts"): Engine._drafts,
         (Transformer, "forward"): Transformer.forward,
         (_StepContext, "attend"): _StepContext.attend,
+        (Attention, "_cascade"): Attention._cascade,
     }
 
     def prefill(self, reqs):
@@ -90,14 +93,27 @@ def timing(ph: Phases):
             ph.keys_scored += (starts[0] + T) * T
         ph.keys_held += sum((s + n) * n for s, n in zip(starts, n_new))
         ph.decode_forwards += 1
+        ph.rows += B
         t0 = time.perf_counter()
         try:
             return orig[(Transformer, "forward")](self, tokens, slots, **kw)
         finally:
             ph.s["forward"] += time.perf_counter() - t0
 
+    def cascade(q, kc, vc, ctx):  # rows sharing a prefix, and the others' runs (their ``attend``)
+        t0 = time.perf_counter()
+        ph._in_cascade = True
+        if ph._in_decode:  # (called once per layer)
+            ph.shared_rows += sum(len(g[0]) for g in ctx.cascade) / max(len(ph.layers), 1)
+        try:
+            return orig[(Attention, "_cascade")](q, kc, vc, ctx)
+        finally:
+            ph._in_cascade = False
+            if ph._in_decode:
+                ph.s["attention"] += time.perf_counter() - t0
+
     def attend(self, q, k, v, mask):
-        if not ph._in_decode:
+        if not ph._in_decode or ph._in_cascade:
             return orig[(_StepContext, "attend")](self, q, k, v, mask)
         t0 = time.perf_counter()
         try:
@@ -105,7 +121,14 @@ def timing(ph: Phases):
         finally:
             ph.s["attention"] += time.perf_counter() - t0
 
-    new = {"_prefill": prefill, "_decode": decode, "_drafts": drafts, "forward": forward, "attend": attend}
+    new = {
+        "_prefill": prefill,
+        "_decode": decode,
+        "_drafts": drafts,
+        "forward": forward,
+        "attend": attend,
+        "_cascade": staticmethod(cascade),
+    }
     try:
         for (cls, name), _ in orig.items():
             setattr(cls, name, new[name])
@@ -142,6 +165,7 @@ def in_process(args, method: str, prompts: list[list[int]], params) -> dict:
     c = args.concurrency[-1]
     eng = build_engine(method_spec(method, args, c, max_len), model, tok)
     ph = Phases()
+    ph.layers = model.layers
     with timing(ph):
         reqs, seconds = staggered_loop(eng, prompts, params, c)
     return {"seconds": seconds, "tokens": sum(len(r.output) for r in reqs), "phases": ph}
@@ -244,15 +268,17 @@ def report(args, c, n, workload, prompts, local, http, job_s) -> str:
         "",
         "Shares of the time inside the engine's steps. prefill = prompt forwards (stall: the part of them "
         "run while other requests were decoding, each of which waited); attention = decode forwards' "
-        "attention over the cached keys (scores, softmax, values); rest of decode forwards = projections, "
+        "attention over the cached keys (scores, softmax, values; rows sharing a prefix attend over it once: "
+        "`cascade_attend`); rest of decode forwards = projections, "
         "MLP, norms, LM head, K/V writes; drafting = the drafters' and policy's time; per-step Python = "
         "the rest of a step (batching, verification, bookkeeping). keys scored / held = query-key pairs the "
-        "decode attention scored (each run of consecutive slots over its longest row) over those the rows "
-        "need (each new token against its row's keys).",
+        "decode attention would score without sharing (each run of consecutive slots over its longest row) "
+        "over those the rows need (each new token against its row's keys); shared = decode rows that "
+        "attended over a prefix shared with other rows once.",
         "",
         "| method | tok/s | step time s | prefill | of it stall | attention | rest of decode forwards | drafting "
-        "| per-step Python | keys scored / held | decode forwards |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| per-step Python | keys scored / held | shared | decode forwards |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for m, r in local.items():
         ph, sec = r["phases"], r["seconds"]
@@ -262,7 +288,8 @@ def report(args, c, n, workload, prompts, local, http, job_s) -> str:
         lines.append(
             f"| {m} | {r['tokens'] / sec:.1f} | {sec:.1f} | {pct(s['prefill'])} | {pct(s['stall'])} | "
             f"{pct(s['attention'])} | {pct(s['forward'] - s['attention'])} | {pct(s['drafting'])} | {pct(rest)} | "
-            f"{ph.keys_scored / max(ph.keys_held, 1):.2f} | {ph.decode_forwards} |"
+            f"{ph.keys_scored / max(ph.keys_held, 1):.2f} | {ph.shared_rows / max(ph.rows, 1):.0%} | "
+            f"{ph.decode_forwards} |"
         )
     if http:
         lines += [
