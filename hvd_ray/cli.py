@@ -124,7 +124,7 @@ def _tp_model_info(args: argparse.Namespace):
 
     from .model import resolve
     from .model.tp import check_tp_size
-    from .model.transformer import load_hf_config
+    from .model.config import load_hf_config
     from .serving.tensor_parallel import load_tokenizer
 
     folder = resolve(args.model)

@@ -162,7 +162,8 @@ def test_chi_square_check_catches_a_wrong_sampler():
 
 def test_compact_reference_equals_kvcache_compact():
     from hvd_ray.kernels import compact_kv, compact_kv_torch
-    from hvd_ray.model.transformer import KVCache, ModelConfig
+    from hvd_ray.model.kv_cache import KVCache
+    from hvd_ray.model.transformer import ModelConfig
 
     cfg = ModelConfig(vocab_size=10, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=8, intermediate_size=8)
     cache = KVCache(cfg, 3, 32, torch.float32, torch.device("cpu"))

@@ -76,7 +76,7 @@ def test_a_run_of_slots_splits_where_one_key_span_would_waste_too_much():
     """Consecutive slots attend as one run over its longest row's span, until padding a row to it
     would waste more than ``SPAN_WASTE`` (key, query) pairs (a 1,000-token context beside 150-token
     ones); different widths always split."""
-    from hvd_ray.model.transformer import SPAN_WASTE, slot_runs
+    from hvd_ray.model.attention import SPAN_WASTE, slot_runs
 
     assert slot_runs([0, 1, 2], [100, 120, 90], [1, 1, 1]) == [(0, 3, 0, 121, 1)]
     assert slot_runs([0, 1, 2, 3], [150, 1000, 1010, 140], [1, 1, 1, 1]) == [
@@ -94,7 +94,7 @@ def test_a_run_of_slots_splits_where_one_key_span_would_waste_too_much():
 @pytest.mark.parametrize("slots", [(0, 1, 2), (0, 2, 3)])  # one run of slots; runs [0], [2, 3]
 def test_batched_forward_equals_per_sequence(tiny_folder, slots, waste, monkeypatch):
     if waste is not None:
-        monkeypatch.setattr("hvd_ray.model.transformer.SPAN_WASTE", waste)
+        monkeypatch.setattr("hvd_ray.model.attention.SPAN_WASTE", waste)
     model = Transformer.from_pretrained(tiny_folder, dtype=torch.float32)
     model.setup_cache(5, 128)
     g = torch.Generator().manual_seed(3)
@@ -225,7 +225,7 @@ def test_bf16_packed_weights_are_bit_identical_and_batches_run(tiny_llama):
     """Where oneDNN has bf16, packed bf16 weights give bit-identical logits; where it has not (an
     AVX2-only CPU), multi-row inputs run through an fp32 copy of the weights (``Packed.upcast``) and
     match the bf16 matmuls to bf16 rounding, while one-row inputs keep the bf16 weights."""
-    from hvd_ray.model.transformer import linear
+    from hvd_ray.model.linear import linear
 
     model = Transformer.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     model.setup_cache(3, 64)
@@ -299,7 +299,7 @@ def test_fp32_packed_weights_match_blas_and_give_each_row_the_same_bits(tiny_lla
     more than a 1-token one): logits agree with plain ``F.linear`` to fp32 rounding, and each row's
     result is bit-identical whatever the number of rows, which keeps speculative verification
     (k rows) token-identical to plain decoding (1 row)."""
-    from hvd_ray.model.transformer import linear
+    from hvd_ray.model.linear import linear
 
     model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
     if not model.pack_weights():
@@ -322,7 +322,7 @@ def test_fp32_packed_weights_match_blas_and_give_each_row_the_same_bits(tiny_lla
 def test_the_bf16_decode_kernel_is_timed_once_and_can_be_forced(monkeypatch):
     """``bf16_decode_sdpa``: the environment forces either kernel at any size and rejects anything
     else; ``auto`` times the two once per process and takes SDPA below the crossover only."""
-    from hvd_ray.model.transformer import _sdpa_crossover, bf16_decode_sdpa
+    from hvd_ray.model.attention import _sdpa_crossover, bf16_decode_sdpa
 
     monkeypatch.setenv("HVD_BF16_ATTENTION", "sdpa")
     assert bf16_decode_sdpa(10) is True and bf16_decode_sdpa(10**6) is True

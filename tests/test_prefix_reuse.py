@@ -10,7 +10,7 @@ from conftest import MAX_NEW
 
 from hvd_ray.build import EngineSpec, build_engine
 from hvd_ray.engine import SamplingParams
-from hvd_ray.model.transformer import KVCache
+from hvd_ray.model.kv_cache import KVCache
 
 
 def test_the_cache_forgets_what_truncate_and_compact_rewrite(target):
@@ -92,7 +92,7 @@ def test_the_rest_of_a_long_prompt_after_a_kept_prefix_scores_as_a_fresh_prefill
     """A long rest (>= PREFIX_SDPA_MIN tokens) attends through SDPA: after a short kept prefix as a
     causal prefill with zero queries in the prefix's rows, after a long one with a lower-right
     causal mask (the padding would cost more there)."""
-    from hvd_ray.model.transformer import PREFIX_SDPA_MIN
+    from hvd_ray.model.attention import PREFIX_SDPA_MIN
 
     model, _ = target
     m = model.with_own_cache()
@@ -170,7 +170,8 @@ def test_rows_sharing_a_long_prefix_attend_over_it_once_and_decode_the_same(draf
     K/V, and the three rows then attend over the shared rows once per forward (``cascade_attend``),
     also when they verify drafts of different lengths (packed rows); greedy outputs equal the same
     engine's without reuse, where every row attends over its own, and plain greedy decoding's."""
-    from hvd_ray.model.transformer import CASCADE_MIN, Attention
+    from hvd_ray.model.attention import CASCADE_MIN
+    from hvd_ray.model.transformer import Attention
     from hvd_ray.workloads import render
     from hvd_ray.workloads.agent import agent_prompts
 

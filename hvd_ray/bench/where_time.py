@@ -25,7 +25,8 @@ from pathlib import Path
 from ..build import build_engine
 from ..engine.engine import Engine
 from ..model import load, resolve
-from ..model.transformer import Attention, Transformer, _StepContext, slot_runs
+from ..model.attention import slot_runs
+from ..model.transformer import Attention, Transformer, _StepContext
 from .batch import method_spec
 from .machine import DTYPE_NAMES, command, cpu_name, machine_line, versions
 from .prompts import prompt_ids

@@ -43,7 +43,7 @@ def make_drafter(
         return draft_model_drafter(draft_model, model, slots=slots, max_len=max_len)
     if name == "eagle3":
         from ..model.eagle3_head import Eagle3Head, shipped_head
-        from ..model.transformer import pack_linears
+        from ..model.linear import pack_linears
         from .eagle3 import Eagle3Drafter
 
         head = Eagle3Head.load(eagle3_head, model) if eagle3_head else shipped_head(model)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..model.eagle3_head import Eagle3Head
-from ..model.transformer import KVCache, Transformer
+from ..model.kv_cache import KVCache
+from ..model.transformer import Transformer
 from .base import Draft, Drafter, DraftRequest
 
 

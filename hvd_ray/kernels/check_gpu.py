@@ -30,7 +30,8 @@ import torch
 def _engine_entry_points(dev: str, vocab: int) -> dict[str, str | None]:
     """The wired functions on CUDA vs the torch path (forced, and on CPU)."""
     from hvd_ray.kernels._triton import ENV_VAR
-    from hvd_ray.model.transformer import KVCache, ModelConfig
+    from hvd_ray.model.kv_cache import KVCache
+    from hvd_ray.model.transformer import ModelConfig
     from hvd_ray.verification import (
         greedy_accept_chain,
         greedy_accept_chain_batch,

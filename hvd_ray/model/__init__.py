@@ -6,8 +6,9 @@ import os
 
 import torch
 
+from .kv_cache import KVCache
 from .registry import DEFAULT_MODEL, ModelError, resolve
-from .transformer import ForwardOutput, KVCache, ModelConfig, Transformer
+from .transformer import ForwardOutput, ModelConfig, Transformer
 
 DTYPES = {
     "float32": torch.float32,

@@ -56,17 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .transformer import (
-    KVCache,
-    ModelConfig,
-    RMSNorm,
-    Transformer,
-    apply_rope,
-    linear,
-    pack_linears,
-    rope_cos_sin,
-    rope_tables,
-)
+from .kv_cache import KVCache
+from .linear import linear, pack_linears
+from .transformer import ModelConfig, RMSNorm, Transformer, apply_rope, rope_cos_sin, rope_tables
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"

@@ -197,7 +197,7 @@ class TensorParallelEngine:
     ):
         from ..model import parse_device, resolve
         from ..model.tp import check_tp_size
-        from ..model.transformer import load_hf_config
+        from ..model.config import load_hf_config
 
         folder = resolve(spec.model)
         cfg = load_hf_config(folder)

@@ -59,7 +59,7 @@ import torch
 from ..drafters.base import Draft, DraftRequest
 from ..drafters.eagle3 import Eagle3Drafter, _ReqState
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
-from ..model.transformer import KVCache
+from ..model.kv_cache import KVCache
 from ..selection.features import SPEC, VocabFlags, features
 from ..selection.policy import CACHE, MODEL, Policy, ScoreRule, StepView
 from ..workloads.turns import is_second_turn
