@@ -123,8 +123,8 @@ def _tp_model_info(args: argparse.Namespace):
     from types import SimpleNamespace
 
     from .model import resolve
-    from .model.tp import check_tp_size
     from .model.config import load_hf_config
+    from .model.tp import check_tp_size
     from .serving.tensor_parallel import load_tokenizer
 
     folder = resolve(args.model)

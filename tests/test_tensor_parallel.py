@@ -17,8 +17,8 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from hvd_ray.engine import Engine, SamplingParams  # noqa: E402
-from hvd_ray.model.tp import apply_tensor_parallel, check_tp_size, split_range  # noqa: E402
 from hvd_ray.model.config import load_hf_config  # noqa: E402
+from hvd_ray.model.tp import apply_tensor_parallel, check_tp_size, split_range  # noqa: E402
 from hvd_ray.model.transformer import Transformer  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 2, 91, 7], [11, 12, 13, 11, 12, 13, 11, 12], [200, 3, 45, 45, 45, 9, 61, 300, 1], [42]]

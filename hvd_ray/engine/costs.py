@@ -25,6 +25,10 @@ import torch
 from ..model.tp import rank0_values
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+# One target forward scoring k tokens, relative to k = 1 (docs/design.md: SmolLM2-135M, bf16, 2 threads,
+# an Intel box with bf16 instructions): a GPU-like curve, where long drafts are nearly free. Offline
+# simulation's default; online, the cost policy uses the costs the engine times on its own hardware.
+VERIFY_COST = {1: 1.00, 8: 1.20, 16: 1.32, 32: 1.71}
 
 
 def interpolate(table: dict[int, float], k: float) -> float:

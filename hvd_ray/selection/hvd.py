@@ -13,9 +13,9 @@ from pathlib import Path
 
 from ..drafters import make_drafter
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
-from ..engine.costs import measure_step_costs
+from ..engine.costs import VERIFY_COST, measure_step_costs
 from .features import VocabFlags
-from .policy import VERIFY_COST, AlwaysCache, AlwaysModel, CostPolicy, Policy, ScoreRule, TauPolicy
+from .policy import AlwaysCache, AlwaysModel, CostPolicy, Policy, ScoreRule, TauPolicy
 from .predictor import WEIGHTS_FILE, YieldPredictor
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..drafters.base import Draft
-from ..engine.costs import StepCosts, interpolate
+from ..engine.costs import VERIFY_COST, StepCosts, interpolate
 from ..engine.engine import Choice
 from ..verification.tree import tree_depths
 from .features import VocabFlags, features, history_from_steps
@@ -41,10 +41,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CACHE, MODEL, NONE, UNION = "cache", "model", "none", "union"
 
-# One target forward scoring k tokens, relative to k = 1 (docs/design.md: SmolLM2-135M, bf16, 2 threads,
-# an Intel box with bf16 instructions). Offline simulation's default; online, the cost policy uses
-# the costs the engine measured on its own hardware (engine/costs.py).
-VERIFY_COST = {1: 1.00, 8: 1.20, 16: 1.32, 32: 1.71}
 # One layer-skip draft token, relative to a 1-token target forward (8 attention sub-layers skipped).
 LAYERSKIP_TOKEN_COST = 0.86
 # A cache draft predicted to be taken (nearly) whole at the model drafter's budget is extended to

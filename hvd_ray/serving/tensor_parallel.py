@@ -196,8 +196,8 @@ class TensorParallelEngine:
         reserve_timeout_s: float = 300.0,
     ):
         from ..model import parse_device, resolve
-        from ..model.tp import check_tp_size
         from ..model.config import load_hf_config
+        from ..model.tp import check_tp_size
 
         folder = resolve(spec.model)
         cfg = load_hf_config(folder)

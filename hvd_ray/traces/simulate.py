@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine.costs import VERIFY_COST
 from ..selection.features import with_history
 from ..selection.policy import (
     CACHE,
@@ -23,7 +24,6 @@ from ..selection.policy import (
     MODEL,
     NONE,
     UNION,
-    VERIFY_COST,
     Policy,
     StepView,
     verify_cost,

@@ -48,10 +48,11 @@ import numpy as np
 
 from ..drafters.base import Draft
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
+from ..engine.costs import VERIFY_COST
 from ..engine.request import StepRecord
 from ..selection.features import VocabFlags, features
 from ..selection.hvd import EAGLE3_TOKEN_COST, load_predictor, suffix_config
-from ..selection.policy import CACHE, MODEL, NONE, VERIFY_COST, CostPolicy, StepView, TauPolicy, nominal, unextended
+from ..selection.policy import CACHE, MODEL, NONE, CostPolicy, StepView, TauPolicy, nominal, unextended
 
 # The draft length φ_t describes: the engine's default model-drafter budget, the one trace replay
 # labelled the predictor's training rows at.
@@ -170,7 +171,7 @@ class HvdProposer:
     assumes, since vLLM does not tell a proposer; default 256), ``HVD_VLLM_VERIFY_COST`` (JSON
     ``{tokens: cost}``: a forward over that many new tokens relative to a 1-token one, on this
     hardware; default: timed from vLLM's own steps (:class:`StepClock`), starting from
-    ``selection/policy.py:VERIFY_COST``, a GPU-like curve where long drafts are nearly free).
+    ``engine/costs.py:VERIFY_COST``, a GPU-like curve where long drafts are nearly free).
 
     ``model`` (the plug-in's): a model drafter the policy may choose per row instead of the cache,
     drafting ``model.depth`` tokens; ``model_accept`` its prior mean accepted tokens (None: the
