@@ -23,7 +23,8 @@ Modes:
     python jobs/benchmark.py http [--quick] [--servers none hvd:mirror hvd:remote]
     python jobs/benchmark.py vllm --vllm-python VENV/bin/python [--workloads function_calling code] [--prompts 4]
     python jobs/benchmark.py vllm-serve --vllm-python VENV/bin/python --concurrency 1 4 8 --max-prompt-tokens 4096
-    python jobs/benchmark.py where --drafters hvd --concurrency 8 --max-prompt-tokens 4096 --vllm-python VENV/bin/python
+    python jobs/benchmark.py where --drafters hvd --concurrency 1 2 4 8 16 --max-prompt-tokens 4096 \
+        --vllm-python VENV/bin/python
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ def main() -> None:
         default=["none", "hvd:mirror", "hvd:remote"],
         help="http: servers to run, drafter[:suffix_actor_mode][@torch_threads] (hvd, suffix, none, "
         "...; mirror | remote; threads: the serving default)",
+    )
+    ap.add_argument(
+        "--where-servers",
+        nargs="+",
+        default=None,
+        help="where: our servers over HTTP, drafter[@torch_threads] (default: none hvd)",
     )
     ap.add_argument(
         "--concurrency",

@@ -160,10 +160,9 @@ def staggered_loop(eng, prompts: list[list[int]], params, c: int) -> tuple[list,
     return done, spent
 
 
-def in_process(args, method: str, prompts: list[list[int]], params) -> dict:
+def in_process(args, method: str, prompts: list[list[int]], params, c: int) -> dict:
     model, tok = load("default", args.dtype)
     max_len = max(map(len, prompts)) + args.max_tokens + 64
-    c = args.concurrency[-1]
     eng = build_engine(method_spec(method, args, c, max_len), model, tok)
     ph = Phases()
     ph.layers = model.layers
@@ -172,9 +171,10 @@ def in_process(args, method: str, prompts: list[list[int]], params) -> dict:
     return {"seconds": seconds, "tokens": sum(len(r.output) for r in reqs), "phases": ph}
 
 
-def over_http(args, prompts_file: Path, n: int, model: str, work: Path, drafter: str, threads: int | None) -> dict:
+def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: int | None) -> dict:
     """Our Serve app (``drafter``, ``threads`` torch threads; None: the serving default) under ``vllm
-    bench serve``: its result plus the engine's busy and prefill seconds in the level."""
+    bench serve`` at each level of ``data`` (concurrency -> (prompt file, prompts)): per level its result
+    plus the engine's busy and prefill seconds."""
     import ray
     from ray import serve
 
@@ -184,6 +184,7 @@ def over_http(args, prompts_file: Path, n: int, model: str, work: Path, drafter:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
+    out = {}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         cfg = {
@@ -192,7 +193,7 @@ def over_http(args, prompts_file: Path, n: int, model: str, work: Path, drafter:
             "dtype": args.dtype,
             "drafter": drafter,
             "torch_threads": threads,
-            "max_batch": args.concurrency[-1],
+            "max_batch": max(8, max(data)),
             "max_model_len": 4096,
             "max_tokens": 1024,
             "num_replicas": 1,
@@ -200,74 +201,102 @@ def over_http(args, prompts_file: Path, n: int, model: str, work: Path, drafter:
         }
         serve.run(build_app(cfg), name="where", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
-        s0 = _stats(base)
-        res = client(args.vllm_python, base, model, prompts_file, args.concurrency[-1], n, args.max_tokens, work)
-        s1 = _stats(base)
+        for c, (path, n) in data.items():
+            s0 = _stats(base)
+            res = client(
+                args.vllm_python, base, model, path, c, n, args.max_tokens, work / f"{drafter}-{threads}-{c}.json"
+            )
+            s1 = _stats(base)
+            res["busy_s"] = s1["decode_s"] - s0["decode_s"]
+            res["prefill_s"] = s1.get("prefill_s", 0.0) - s0.get("prefill_s", 0.0)
+            out[c] = res
     finally:
         serve.shutdown()
         ray.shutdown()
-    res["busy_s"] = s1["decode_s"] - s0["decode_s"]
-    res["prefill_s"] = s1.get("prefill_s", 0.0) - s0.get("prefill_s", 0.0)
-    return res
+    return out
 
 
-def vllm_peer(args, prompts_file: Path, n: int, model: str, work: Path, spec: dict | None) -> dict:
+def vllm_peer(args, data: dict, model: str, work: Path, spec: dict | None) -> dict:
     from .vllm_server import VllmServer
 
+    name = spec["method"] if spec else "none"
     with VllmServer(
         args.vllm_python, model, free_port(), spec, dtype=args.dtype, max_model_len=4096, threads=args.threads
     ) as srv:
-        return client(args.vllm_python, srv.url, model, prompts_file, args.concurrency[-1], n, args.max_tokens, work)
+        return {
+            c: client(args.vllm_python, srv.url, model, path, c, n, args.max_tokens, work / f"vllm-{name}-{c}.json")
+            for c, (path, n) in data.items()
+        }
+
+
+SERVERS = ("none", "hvd")  # ours over HTTP unless --servers names others (drafter[@torch threads])
 
 
 def bench_where(args) -> str:
     from ..engine import SamplingParams
+    from .serve import _parse_server
 
-    c = args.concurrency[-1]
-    n = args.prompts or 4 * c
+    levels = list(args.concurrency)
+    c = 8 if 8 in levels else levels[-1]  # the in-process breakdown's concurrency
+    per = {lv: args.prompts or 4 * lv for lv in levels}
     model = str(resolve("default"))
     _, tok = load("default", args.dtype)
     workload = (args.workloads or ["agent"])[0]
-    prompts = [ids for *_, ids in prompt_ids(tok, [workload], n, args.max_prompt_tokens)]
-    if len(prompts) < n:
-        raise SystemExit(f"{workload}: {len(prompts)} prompts within {args.max_prompt_tokens} tokens, {n} needed")
+    need = sum(per.values())
+    pool = [ids for *_, ids in prompt_ids(tok, [workload], need, args.max_prompt_tokens)]
+    if len(pool) < need:
+        raise SystemExit(f"{workload}: {len(pool)} prompts within {args.max_prompt_tokens} tokens, {need} needed")
+    by_level, start = {}, 0
+    for lv in levels:  # each level its own prompts (no level warms another's caches)
+        by_level[lv] = pool[start : start + per[lv]]
+        start += per[lv]
+    prompts = by_level[c]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     t_job = time.perf_counter()
     local = {}
     for m in ["greedy", *args.drafters]:
-        local[m] = in_process(args, m, prompts, params)
+        local[m] = in_process(args, m, prompts, params, c)
         print(f"[where] in-process {m}: {local[m]['tokens'] / local[m]['seconds']:.1f} tok/s", flush=True)
     http = {}
     if args.vllm_python:
         work = Path(tempfile.mkdtemp(prefix="where-"))
-        data = work / "prompts.jsonl"
-        data.write_text("".join(json.dumps({"prompt": tok.decode(ids)}) + "\n" for ids in prompts))
-        for drafter, threads in (("none", None), ("none", 2), ("hvd", None)):
+        data = {}
+        for lv in levels:
+            data[lv] = (work / f"c{lv}.jsonl", per[lv])
+            data[lv][0].write_text("".join(json.dumps({"prompt": tok.decode(ids)}) + "\n" for ids in by_level[lv]))
+        servers = getattr(args, "where_servers", None) or SERVERS
+        for server in servers:
+            drafter, _, threads = _parse_server(server)
             name = f"ours, `{drafter}`, {f'{threads} torch threads' if threads else 'default threads'}"
-            http[name] = over_http(args, data, n, model, work / f"ours-{drafter}-{threads}.json", drafter, threads)
+            http[name] = over_http(args, data, model, work, drafter, threads)
+            for lv, r in http[name].items():
+                print(f"[where] http {name} c={lv}: {r['output_throughput']:.1f} tok/s", flush=True)
         for name, spec in (("no speculation", None), ("`suffix`", {"method": "suffix", "num_speculative_tokens": 16})):
-            http[f"vLLM-CPU, {name}"] = vllm_peer(args, data, n, model, work / f"vllm-{len(http)}.json", spec)
-        for k, r in http.items():
-            print(f"[where] http {k}: {r['output_throughput']:.1f} tok/s", flush=True)
-    return report(args, c, n, workload, prompts, local, http, time.perf_counter() - t_job)
+            http[f"vLLM-CPU, {name}"] = vllm_peer(args, data, model, work, spec)
+            for lv, r in http[f"vLLM-CPU, {name}"].items():
+                print(f"[where] http vLLM {name} c={lv}: {r['output_throughput']:.1f} tok/s", flush=True)
+    return report(args, c, per, workload, pool, local, http, time.perf_counter() - t_job)
 
 
-def report(args, c, n, workload, prompts, local, http, job_s) -> str:
+def report(args, c, per, workload, prompts, local, http, job_s) -> str:
     lens = sorted(map(len, prompts))
+    n = per[c]
     lines = [
-        f"# Where the time goes: {c} concurrent {workload} requests",
+        f"# Where the time goes: concurrent {workload} requests",
         "",
         f"Command: `{command('jobs/benchmark.py')}`  ",
         f"Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_name()}; {versions().split(', ray ')[0]}  ",
         f"Machine: {machine_line()}  ",
         f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, greedy, {args.max_tokens} output tokens per "
-        f"request (`ignore_eos`); {n} {workload} prompts of {lens[0]}-{lens[-1]} tokens, {c} in flight (a new one "
-        f"enters as one finishes; in process the first {c} enter {max(1, args.max_tokens // c)} steps apart, so "
-        f"arrivals stay staggered as in a server's steady traffic); whole job {job_s:.0f} s.",
+        f"request (`ignore_eos`); {workload} prompts of {lens[0]}-{lens[-1]} tokens, each concurrency level its "
+        f"own ({', '.join(f'c={lv}: {k}' for lv, k in per.items())}), c in flight (a new one enters as one "
+        f"finishes); whole job {job_s:.0f} s.",
         "",
-        "## In one process: our engine's steps taken apart",
+        f"## In one process: our engine's steps taken apart (c={c})",
         "",
-        "Shares of the time inside the engine's steps. prefill = prompt forwards (stall: the part of them "
+        f"The level's {n} prompts, {c} in flight, the first {c} entering {max(1, args.max_tokens // c)} steps "
+        "apart so that arrivals stay staggered as in a server's steady traffic. Shares of the time inside "
+        "the engine's steps. prefill = prompt forwards (stall: the part of them "
         "run while other requests were decoding, each of which waited); attention = decode forwards' "
         "attention over the cached keys (scores, softmax, values; rows sharing a prefix attend over it once: "
         "`cascade_attend`); rest of decode forwards = projections, "
@@ -298,23 +327,26 @@ def report(args, c, n, workload, prompts, local, http, job_s) -> str:
             "## Over HTTP: the same prompts under vLLM's own client",
             "",
             "`vllm bench serve` (backend `openai`, `/v1/completions`, the prompts as chat-template text, "
-            f"`--max-concurrency {c}`, request rate inf, `--ignore-eos`, temperature 0), one server at a time. "
-            "engine busy = the engine loop's time inside its steps over the run's wall time (ours; the "
-            "rest is the serving path and idle turns); prefill = its prompt forwards over the wall time. Our "
-            "server's default torch threads: all cores but one (here 1); vLLM-CPU's: "
-            f"{args.threads} OpenMP threads.",
+            "`--max-concurrency` c, request rate inf, `--ignore-eos`, temperature 0), one server at a time, each "
+            "started once for all levels. x = out tok/s over vLLM-CPU without speculation at the same c. engine "
+            "busy = the engine loop's time inside its steps over the level's wall time (ours; the rest is the "
+            "serving path and idle turns); prefill = its prompt forwards over the wall time. Our server's "
+            f"default torch threads: all cores but one (here 1); vLLM-CPU's: {args.threads} OpenMP threads.",
             "",
-            "| server | out tok/s | mean TPOT ms | mean TTFT ms | p99 TTFT ms | engine busy | prefill |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| server | c | out tok/s | x | mean TPOT ms | mean TTFT ms | p99 TTFT ms | engine busy | prefill |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for k, r in http.items():
-            wall = r["duration"]
-            busy = f"{100 * r['busy_s'] / wall:.0f}%" if "busy_s" in r else "-"
-            pre = f"{100 * r['prefill_s'] / wall:.0f}%" if "prefill_s" in r else "-"
-            lines.append(
-                f"| {k} | {r['output_throughput']:.1f} | {r['mean_tpot_ms']:.0f} | {r['mean_ttft_ms']:.0f} | "
-                f"{r['p99_ttft_ms']:.0f} | {busy} | {pre} |"
-            )
+        base = http.get("vLLM-CPU, no speculation", {})
+        for k, levels in http.items():
+            for lv, r in levels.items():
+                wall = r["duration"]
+                busy = f"{100 * r['busy_s'] / wall:.0f}%" if "busy_s" in r else "-"
+                pre = f"{100 * r['prefill_s'] / wall:.0f}%" if "prefill_s" in r else "-"
+                x = f"{r['output_throughput'] / base[lv]['output_throughput']:.2f}x" if lv in base else "-"
+                lines.append(
+                    f"| {k} | {lv} | {r['output_throughput']:.1f} | {x} | {r['mean_tpot_ms']:.0f} | "
+                    f"{r['mean_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {busy} | {pre} |"
+                )
     return "\n".join(lines) + "\n"
 
 
