@@ -171,15 +171,7 @@ class Attention(nn.Module):
             # (packed rows: a run holds rows of one real length w and attends with its w queries only)
             if ctx.cascade:
                 return reduce_shards(linear(self._cascade(q, kc, vc, ctx), self.wo), self.tp_group)
-            parts = [
-                ctx.attend(
-                    q[r : r + b - a, :w],
-                    kc[a:b, :, :span],
-                    vc[a:b, :, :span],
-                    None if ctx.mask is None else run_bias(ctx.mask[r : r + b - a, ..., :span], T, w),
-                )
-                for a, b, r, span, w in ctx.runs
-            ]
+            parts = ctx.attend_runs(q, kc, vc, ctx.mask, T)
             if ctx.valid is not None:  # the runs' real rows, in row order: the packed layout
                 out = torch.cat([p.reshape(-1, H * D) for p in parts]).unsqueeze(0)
             else:
@@ -205,15 +197,8 @@ class Attention(nn.Module):
             part = cascade_attend(q.index_select(0, rows), kc[src, :, :n], vc[src, :, :n], own_k, own_v, bias, real)
             out.index_copy_(0, dest, part)
         if ctx.rest is not None:
-            qr = q.index_select(0, ctx.rest)
             parts = [
-                ctx.attend(
-                    qr[r : r + b - a, :w],
-                    kc[a:b, :, :span],
-                    vc[a:b, :, :span],
-                    None if ctx.rest_mask is None else run_bias(ctx.rest_mask[r : r + b - a, ..., :span], T, w),
-                ).reshape(-1, H * D)
-                for a, b, r, span, w in ctx.runs
+                p.reshape(-1, H * D) for p in ctx.attend_runs(q.index_select(0, ctx.rest), kc, vc, ctx.rest_mask, T)
             ]
             out.index_copy_(0, ctx.rest_dest, parts[0] if len(parts) == 1 else torch.cat(parts))
         return out.unsqueeze(0) if ctx.valid is not None else out.view(B, T, H * D)
@@ -271,6 +256,19 @@ class _StepContext:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         return (sdpa_attend if self.sdpa else attend)(q, k, v, mask)
+
+    def attend_runs(self, q: Tensor, kc: Tensor, vc: Tensor, mask: Tensor | None, T: int) -> list[Tensor]:
+        """Each run of consecutive slots (``runs``, over ``q``'s rows in order) attending over its
+        rows' cache views: a run of rows of real length w attends with its w queries only."""
+        return [
+            self.attend(
+                q[r : r + b - a, :w],
+                kc[a:b, :, :span],
+                vc[a:b, :, :span],
+                None if mask is None else run_bias(mask[r : r + b - a, ..., :span], T, w),
+            )
+            for a, b, r, span, w in self.runs
+        ]
 
 
 @dataclass
