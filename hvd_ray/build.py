@@ -152,8 +152,11 @@ def build_engine(
         from .verification.tiered import SlimTier
 
         slim_tier = SlimTier(resolve_mask(spec.slim, model.cfg.n_layers), spec.slim_mode)
+    from .engine.grammar import Grammars
+
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     detokenize = (lambda t: tokenizer.decode(t, skip_special_tokens=True)) if tokenizer is not None else None
+    stops = {eos, *model.cfg.eos_token_ids} - {None}
     return Engine(
         model,
         drafters=drafters,
@@ -167,6 +170,7 @@ def build_engine(
         detokenize=detokenize,
         prefix_reuse=spec.prefix_reuse,
         reuse_slots=spec.reuse_slots,
+        grammars=Grammars(tokenizer, model.cfg.vocab_size, stops) if tokenizer is not None else None,
     )
 
 

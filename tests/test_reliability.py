@@ -114,8 +114,8 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
     ),
     "max_tokens_over_limit": (CHAT, {"messages": MSG, "max_tokens": 17}, 400, "max_tokens", None),
     "max_tokens_2**70": (CHAT, {"messages": MSG, "max_tokens": 2**70}, 400, "max_tokens", None),
-    "n_2": (CHAT, {"messages": MSG, "n": 2}, 400, "n", None),
-    "logit_bias": (CHAT, {"messages": MSG, "logit_bias": {"1": 5}}, 400, "logit_bias", None),
+    "n_17": (CHAT, {"messages": MSG, "n": 17}, 400, "n", None),
+    "logit_bias_beyond_vocab": (CHAT, {"messages": MSG, "logit_bias": {"1000000": 5}}, 400, "logit_bias", None),
     "json_nested_too_deep": (CHAT, b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None, None),
     "body_not_utf8": (CHAT, b'{"messages": "\xff\xfe"}', 400, None, "invalid_json"),
     "stream_not_bool": (CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream", None),
@@ -145,15 +145,17 @@ BAD = {  # name: (path, body, status, param, code); every one is followed by a g
     "stop_lone_surrogate": (COMP, b'{"prompt": "x", "stop": ["a\\udc00"]}', 400, "stop", "invalid_text"),
     "surrogate_pair_is_text": (COMP, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}', 200, None, None),
     # nothing silently ignored: fields the server does not implement are named in a 400
-    "repetition_penalty_unsupported": (
-        CHAT,
-        {"messages": MSG, "repetition_penalty": 1.1},
+    "repetition_penalty_zero": (CHAT, {"messages": MSG, "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    "repetition_penalty_denormal": (
+        COMP,
+        {"prompt": "x", "repetition_penalty": 5e-324},
         400,
         "repetition_penalty",
-        "unsupported_value",
+        None,
     ),
     "repetition_penalty_neutral": (COMP, {"prompt": "x", "max_tokens": 2, "repetition_penalty": 1.0}, 200, None, None),
-    "min_p_unsupported": (COMP, {"prompt": "x", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
+    "min_p_above_1": (COMP, {"prompt": "x", "min_p": 1.5}, 400, "min_p", None),
+    "audio_unsupported": (CHAT, {"messages": MSG, "audio": {"voice": "alloy"}}, 400, "audio", "unsupported_parameter"),
     "chat_template_kwargs_tools": (
         CHAT,
         {"messages": MSG, "chat_template_kwargs": {"tools": []}},

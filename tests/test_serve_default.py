@@ -72,6 +72,102 @@ def test_the_default_answers_the_openai_client(server):
     assert "$HVD_RAY_API_KEY" in server["log"].read_text()
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Perth", "Seoul", "Rome")
+
+
+def _ask(oai, stream: bool, **kw):
+    """(content, [(id, name, arguments)], finish_reason, usage) of one chat call, streamed or not."""
+    if not stream:
+        r = oai.chat.completions.create(**kw)
+        m = r.choices[0].message
+        calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        return m.content, calls, r.choices[0].finish_reason, r.usage
+    content, calls, finish, use = "", [], None, None
+    for chunk in oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        use = chunk.usage or use
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        calls += [(c.id, c.function.name, c.function.arguments) for c in d.tool_calls or []]
+        finish = chunk.choices[0].finish_reason or finish
+    return content or None, calls, finish, use
+
+
+def test_twenty_agent_conversations_over_the_openai_client(server):
+    """``make run``'s default (drafter hvd) as an agent's backend: 20 scripted conversations, half
+    streamed, each tools -> tool_calls (``required``, or a named function) -> the tool's answer -> a
+    final answer. Every call parses, names an offered function and its arguments validate against its
+    schema (the grammar holds them to it); the call and its result reach the next prompt; nothing is
+    dropped or answered with a 5xx."""
+    import json
+
+    import jsonschema
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=300)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for i in range(20):
+        city, stream = CITIES[i % len(CITIES)], i % 2 == 1
+        ask = "What is the weather" if i < 10 else "What time is it"
+        msgs = [{"role": "user", "content": f"{ask} in {city}?"}]
+        choice = "required" if i % 4 < 2 else {"type": "function", "function": {"name": "get_time"}}
+        content, calls, finish, use = _ask(
+            oai,
+            stream,
+            model="default",
+            messages=msgs,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            temperature=0,
+            max_tokens=48,
+        )
+        assert finish == "tool_calls" and calls, (i, content)
+        for call_id, name, arguments in calls:
+            assert call_id.startswith("call_") and name in schemas
+            jsonschema.validate(json.loads(arguments), schemas[name])
+        if isinstance(choice, dict):
+            assert [name for _, name, _ in calls] == ["get_time"]
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {"id": c, "type": "function", "function": {"name": n, "arguments": a}} for c, n, a in calls
+                ],
+            }
+        )
+        msgs += [
+            {"role": "tool", "tool_call_id": c, "content": json.dumps({"city": city, "result": "sunny, 21 C"})}
+            for c, _, _ in calls
+        ]
+        content2, calls2, finish2, use2 = _ask(
+            oai, stream, model="default", messages=msgs, tools=[WEATHER, TIME], temperature=0, max_tokens=24
+        )
+        assert finish2 in ("stop", "length", "tool_calls") and (content2 or calls2), i
+        assert use2.prompt_tokens > use.prompt_tokens + use.completion_tokens  # the call and its result were sent
+
+
 def test_sigterm_drains_requests_in_flight(server):
     import httpx
 

@@ -248,7 +248,7 @@ def test_openai_client(oai, greedy):
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        oai.completions.create(model="default", prompt=PROMPT, max_tokens=2, n=2)
+        oai.completions.create(model="default", prompt=PROMPT, max_tokens=2, n=17)
     bad = openai.OpenAI(base_url=oai.base_url, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -292,9 +292,12 @@ def _streamed_call(oai, **kw) -> tuple[str, list[dict], str]:
 @slow
 def test_an_agent_loop_with_tools_over_the_openai_client(oai):
     """tools -> tool_calls -> the tool's answer -> a final answer, streamed and not. A named
-    tool_choice opens the call for the model; the parser returns it as ``message.tool_calls``
-    (finish_reason ``tool_calls``), the streamed call equals the non-streamed one (greedy), and the
-    conversation carrying the call and its result is served. Unparseable calls come back as content."""
+    tool_choice holds the answer to a call of that function, its arguments valid under the function's
+    schema (a grammar); the parser returns it as ``message.tool_calls`` (finish_reason ``tool_calls``),
+    the streamed call equals the non-streamed one (greedy), and the conversation carrying the call and
+    its result is served. ``required`` with ``parallel_tool_calls: false`` gives exactly one call."""
+    import jsonschema
+
     named = {"type": "function", "function": {"name": "get_weather"}}
     for city in ("Paris", "Tokyo", "Lima"):
         msgs = [{"role": "user", "content": f"What is the weather in {city} right now?"}]
@@ -310,7 +313,8 @@ def test_an_agent_loop_with_tools_over_the_openai_client(oai):
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch.message.content
         call = ch.message.tool_calls[0]
-        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+        assert call.function.name == "get_weather" and ch.message.content is None
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
         content, calls, finish = _streamed_call(oai, **kw)
         assert finish == "tool_calls" and (content or None) == ch.message.content
         assert calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls]
@@ -335,10 +339,126 @@ def test_an_agent_loop_with_tools_over_the_openai_client(oai):
         messages=[{"role": "user", "content": "Tell me a joke."}],
         tools=TOOLS,
         tool_choice="required",
+        parallel_tool_calls=False,
         temperature=0,
-        max_tokens=24,
+        max_tokens=48,
     )
-    assert joke.choices[0].message.tool_calls or joke.choices[0].message.content  # content when it does not parse
+    assert joke.choices[0].finish_reason == "tool_calls", joke
+    (call,) = joke.choices[0].message.tool_calls
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+# ----------------------------------------------------------------------- what a request can ask for
+ANSWER = {  # a short JSON answer: it fits max_tokens 32 whole
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "count": {"type": "integer", "minimum": 0}},
+    "required": ["answer", "count"],
+    "additionalProperties": False,
+}
+
+
+@slow
+def test_response_format_json_schema(http):
+    """The answer is JSON valid under the schema, chat and completions (a vLLM extension) alike."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    res = _chat(http, "Is Paris in France? How many cities named Paris exist?", max_tokens=32, response_format=fmt)
+    assert res["choices"][0]["finish_reason"] == "stop", res
+    jsonschema.validate(json.loads(res["choices"][0]["message"]["content"]), ANSWER)
+    res = _complete(http, prompt="Is Paris in France? JSON answer:", max_tokens=32, response_format=fmt)
+    assert res["choices"][0]["finish_reason"] == "stop", res
+    jsonschema.validate(json.loads(res["choices"][0]["text"]), ANSWER)
+
+
+@slow
+def test_logprobs(http, greedy):
+    """Each output token's logprob and the top k, chat and completions, streamed or not; greedy, the
+    chosen token is the top one (the logprobs are the target's raw distribution)."""
+    res = _complete(http, prompt=PROMPT, max_tokens=N, logprobs=3)
+    choice, lp = res["choices"][0], res["choices"][0]["logprobs"]
+    assert choice["text"] == greedy["completion"]["choices"][0]["text"]  # asking for logprobs changes nothing
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == N
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(N)]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 3 and top[token] == logprob == pytest.approx(max(top.values()), abs=1e-5)
+        assert logprob <= 0
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "logprobs": 3, "stream": True}
+    stream = _sse(http, "/v1/completions", body)
+    parts = [c["choices"][0]["logprobs"] for c in stream[:-1] if c["choices"][0]["logprobs"]]
+    assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
+    assert [o for p in parts for o in p["text_offset"]] == lp["text_offset"]  # offsets run on across chunks
+
+    res = _chat(http, CHAT, max_tokens=N, logprobs=True, top_logprobs=2)
+    assert res["choices"][0]["message"] == greedy["chat"]["choices"][0]["message"]
+    content = res["choices"][0]["logprobs"]["content"]
+    assert len(content) == res["usage"]["completion_tokens"]
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert len(top) == 2 and entry["token"] == top[0]["token"] and top[0]["logprob"] >= top[1]["logprob"]
+        assert entry["logprob"] == pytest.approx(top[0]["logprob"], abs=1e-5)
+        assert entry["bytes"] == list(entry["token"].encode())
+    body = {"model": "default", "messages": [{"role": "user", "content": CHAT}], "max_tokens": N, "temperature": 0}
+    stream = _sse(http, "/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 2, "stream": True})
+    streamed = [e for c in stream[:-1] if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    # the same tokens; the values may differ in the last digits (this time the prompt's K/V is reused)
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-3)
+    assert _chat(http, CHAT, max_tokens=2)["choices"][0]["logprobs"] is None  # not asked for
+
+
+@slow
+def test_n_choices(http):
+    """``n`` choices of one prompt (indexes 0..n-1), streamed and not; usage counts the prompt once and
+    the choices' tokens together; greedy choices are identical, seeded sampled ones differ (seed + i)."""
+    res = _complete(http, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    assert [c["index"] for c in res["choices"]] == [0, 1, 2]
+    assert len({c["text"] for c in res["choices"]}) > 1
+    single = _complete(http, prompt="Once upon a time", max_tokens=1)
+    assert res["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    assert res["usage"]["completion_tokens"] == 3 * 8
+    res = _chat(http, CHAT, max_tokens=8, n=2)
+    assert res["choices"][0]["message"] == res["choices"][1]["message"]  # greedy: the same answer twice
+
+    body = {"model": "default", "messages": [{"role": "user", "content": CHAT}], "max_tokens": 6, "n": 3}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    ev = _sse(http, "/v1/chat/completions", {**body, **stream, "temperature": 0.8, "ignore_eos": True})
+    assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == 18
+    chunks = [c["choices"][0] for c in ev[:-2]]
+    assert [c["index"] for c in chunks[:3]] == [0, 1, 2] and all(c["delta"]["role"] == "assistant" for c in chunks[:3])
+    assert sorted(c["index"] for c in chunks if c["finish_reason"]) == [0, 1, 2]
+    assert all(c["finish_reason"] == "length" for c in chunks if c["finish_reason"])
+    for i in range(3):
+        mine = [c for c in chunks if c["index"] == i]
+        assert mine[-1]["finish_reason"] and "".join(c["delta"].get("content", "") for c in mine)
+
+
+@slow
+def test_penalties_logit_bias_and_min_tokens_change_the_output(http, greedy, default_folder):
+    """Each processing parameter reaches the engine: the penalties change the greedy text, a -100 bias
+    bans the greedy first token and +100 forces one, min_p keeps greedy's argmax, min_tokens holds the
+    stop tokens off."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_folder)
+    text = greedy["completion"]["choices"][0]["text"]  # " Paris.\n\nThe answer is: ..."
+    (paris,) = tok.encode(" Paris", add_special_tokens=False)
+    (london,) = tok.encode(" London", add_special_tokens=False)
+    assert text.startswith(" Paris")
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 1.5}):
+        assert _complete(http, prompt=PROMPT, max_tokens=N, **kw)["choices"][0]["text"] != text, kw
+    banned = _complete(http, prompt=PROMPT, max_tokens=2, logit_bias={str(paris): -100})
+    assert not banned["choices"][0]["text"].startswith(" Paris")
+    forced = _complete(http, prompt=PROMPT, max_tokens=2, logit_bias={str(london): 100})
+    assert forced["choices"][0]["text"] == " London London"
+    assert text.startswith(_complete(http, prompt=PROMPT, max_tokens=4, min_p=0.5)["choices"][0]["text"])  # greedy
+    (dot,) = tok.encode(".", add_special_tokens=False)
+    short = _complete(http, prompt=PROMPT, max_tokens=8, stop_token_ids=[dot])  # " Paris", then "." stops it
+    assert short["choices"][0]["finish_reason"] == "stop" and short["choices"][0]["text"] == " Paris", short
+    held = _complete(http, prompt=PROMPT, max_tokens=8, stop_token_ids=[dot], min_tokens=4)
+    assert held["usage"]["completion_tokens"] >= 4 and held["choices"][0]["text"] != short["choices"][0]["text"]
 
 
 @slow
@@ -415,6 +535,12 @@ def test_metrics_are_exported(http):
 
 
 # ------------------------------------------------------------------------------------------ errors
+MSG = [{"role": "user", "content": "hi"}]
+NOPE = {"type": "object", "properties": {"a": {"type": "nope"}}}  # a schema xgrammar cannot compile
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": NOPE}}
+BAD_TOOLS = {"tools": [{"type": "function", "function": {"name": "f", "parameters": NOPE}}], "tool_choice": "required"}
+
+
 @slow
 @pytest.mark.parametrize(
     "path,body,status,param,code",
@@ -428,7 +554,36 @@ def test_metrics_are_exported(http):
         ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model", "model_not_found"),
         ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens", None),
         ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", None),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+        ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n", None),
+        ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", None),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"49152": 1}, "max_tokens": 2}, 400, "logit_bias", None),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", None),
+        ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", None),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format", None),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": BAD_SCHEMA}, 400, "response_format", None),
+        ("/v1/chat/completions", {"messages": MSG, **BAD_TOOLS}, 400, "tools", None),
+        (
+            "/v1/chat/completions",
+            {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            400,
+            "tool_choice",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": MSG,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            400,
+            "stream_options",
+            "unsupported_parameter",
+        ),
+        ("/v1/chat/completions", {"messages": MSG, "audio": {"voice": "alloy"}}, 400, "audio", "unsupported_parameter"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
         ("/v1/completions", {"prompt": "hello " * 1100, "max_tokens": 4}, 400, "prompt", "context_length_exceeded"),
         (
@@ -693,9 +848,209 @@ def test_protocol_validation():
         P.ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}]).text()
     chat = P.ChatCompletionRequest(messages=[{"role": "developer", "content": "be brief"}], max_completion_tokens=5)
     assert chat.chat_messages()[0]["role"] == "system" and chat.requested_max_tokens == 5
-    for bad in ({"n": 3}, {"presence_penalty": 0.5}, {"logprobs": True}, {"stream_options": {"include_usage": True}}):
-        with pytest.raises(P.APIError):
+    tool = [{"type": "function", "function": {"name": "f"}}]
+    for bad, param in [
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true, as in OpenAI's API
+        ({"min_tokens": 5, "max_completion_tokens": 4}, "min_tokens"),
+        ({"tools": tool, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ]:
+        with pytest.raises(P.APIError) as e:
             P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **bad).check_supported()
+        assert e.value.status == 400 and e.value.param == param
+    with pytest.raises(P.APIError) as e:
+        P.CompletionRequest(prompt="x", best_of=2).check_supported()
+    assert e.value.param == "best_of"
+
+
+def test_protocol_sampling_reaches_the_engine_params():
+    """Every sampling field of a request becomes the engine's SamplingParams field of the same meaning."""
+    from hvd_ray.engine import SamplingParams
+    from hvd_ray.serving import protocol as P
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = P.ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=2,
+        logit_bias={"17": -100, "3": 2.5},
+        logprobs=True,
+        top_logprobs=3,
+        n=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+    )
+    chat.check_supported()
+    sp = chat.sampling(8)
+    assert sp["logit_bias"] == {17: -100.0, 3: 2.5} and sp["logprobs"] == 3
+    assert sp["structure"] == {"type": "json_schema", "schema": schema}
+    engine = SamplingParams(**sp)  # every key is a SamplingParams field, in its range
+    assert (engine.presence_penalty, engine.frequency_penalty, engine.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert (engine.min_p, engine.min_tokens) == (0.1, 2)
+    bare = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    assert bare.sampling(None)["logprobs"] is None and bare.sampling(None)["structure"] is None
+    plain = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True)
+    assert plain.sampling(None)["logprobs"] == 0  # logprobs without top_logprobs: the chosen tokens only
+    for fmt, want in [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, {"type": "json_object"}),
+        ({"type": "json_schema", "json_schema": {"name": "any"}}, {"type": "json_object"}),  # no schema: any object
+    ]:
+        assert P.CompletionRequest(prompt="x", response_format=fmt).sampling(4)["structure"] == want
+    assert P.CompletionRequest(prompt="x", logprobs=5).sampling(4)["logprobs"] == 5
+
+
+def test_logprobs_in_openai_shapes():
+    """The replica's ``[token text, logprob, [[text, logprob], ...]]`` entries as OpenAI's chat and
+    (legacy) completion ``logprobs``."""
+    from hvd_ray.serving import protocol as P
+
+    entries = [[" Paris", -0.25, [[" Paris", -0.25], [" Lyon", -2.0]]], ["é", -1.5, [["é", -1.5], ["e", -1.75]]]]
+    chat = P.chat_logprobs(entries)["content"]
+    assert chat[0] == {
+        "token": " Paris",
+        "logprob": -0.25,
+        "bytes": list(b" Paris"),
+        "top_logprobs": [
+            {"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris")},
+            {"token": " Lyon", "logprob": -2.0, "bytes": list(b" Lyon")},
+        ],
+    }
+    assert chat[1]["bytes"] == [0xC3, 0xA9]
+    comp = P.completion_logprobs(entries, offset=4)
+    assert comp == {
+        "tokens": [" Paris", "é"],
+        "token_logprobs": [-0.25, -1.5],
+        "top_logprobs": [{" Paris": -0.25, " Lyon": -2.0}, {"é": -1.5, "e": -1.75}],
+        "text_offset": [4, 10],
+    }
+    # logprobs: 0 still names the chosen token (OpenAI: up to k + 1 entries)
+    assert P.completion_logprobs([["a", -0.5, []]])["top_logprobs"] == [{"a": -0.5}]
+
+
+class _Loop:
+    """The engine loop's surface, recording what a replica asks of it."""
+
+    def __init__(self):
+        self.submitted, self.aborted = [], []
+
+    def submit(self, ids, params, req_id, stream):
+        self.submitted.append((req_id, params, stream))
+
+    def abort(self, req_id):
+        self.aborted.append(req_id)
+
+    def shutdown(self):
+        pass
+
+
+def _front(folder):
+    """A replica's request path (ReplicaFront) over the default tokenizer and a recording loop."""
+    from transformers import AutoTokenizer
+
+    from hvd_ray.serving import ServingConfig
+    from hvd_ray.serving.replica import ReplicaFront
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    class Front(ReplicaFront):
+        max_len, vocab_size, tok = 512, len(tokenizer), tokenizer
+
+        def __init__(self):
+            self.cfg, self.loop = ServingConfig(), _Loop()
+
+    return Front
+
+
+def test_the_replica_runs_n_choices_as_engine_requests_and_multiplexes_their_events(default_folder):
+    """``n`` engine requests on one prompt (ids ``<id>-<i>``, seeds seed + i), their events tagged with
+    the choice's index; a stop string ends its choice alone (its engine request aborted, the tokens past
+    it neither counted nor given logprobs); a client that leaves aborts every choice still running."""
+    import asyncio
+
+    from hvd_ray.serving.replica import deliver
+
+    Front = _front(default_folder)
+    tok = Front.tok
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def step(tokens, finished=False, reason=None):
+        lps = [(-0.5, [(t, -0.5), (0, -3.0)]) for t in tokens]
+        return {"type": "tokens", "tokens": tokens, "finished": finished, "finish_reason": reason, "logprobs": lps}
+
+    params = {"max_tokens": 8, "temperature": 1.0, "seed": 7, "stop": [" STOP"], "logprobs": 1}
+
+    async def run(leave_early: bool):
+        front = Front()
+        gen = front.generate({"prompt": "Hello", "params": params, "n": 3, "request_id": "r"})
+        start = await gen.__anext__()
+        assert start["type"] == "start" and start["n"] == 3
+        (s0, s1, s2) = [s for _, _, s in front.loop.submitted]
+        assert [r for r, _, _ in front.loop.submitted] == ["r-0", "r-1", "r-2"]
+        assert [p.seed for _, p, _ in front.loop.submitted] == [7, 8, 9]
+        deliver(s1, step(ids(" one two")))
+        deliver(s0, step(ids(" a STOP b c")))  # a stop string inside one step
+        deliver(s1, step(ids(" three"), True, "length"))
+        events = [await gen.__anext__() for _ in range(5)]
+        if leave_early:
+            await gen.aclose()
+            return front, events
+        deliver(s0, step([], True, "abort"))  # what the engine sends for the aborted r-0: ignored
+        deliver(s2, step(ids(" x"), True, "stop"))
+        events += [ev async for ev in gen]
+        return front, events
+
+    front, events = asyncio.run(run(leave_early=False))
+    by = {i: [e for e in events if e["index"] == i] for i in range(3)}
+    assert [e["type"] for e in by[0]] == ["delta", "finish"] and by[0][0]["text"] == " a"
+    assert by[0][1]["finish_reason"] == "stop" and by[0][1]["completion_tokens"] == len(ids(" a STOP"))
+    assert [e[0] for e in by[0][0]["logprobs"]] == [tok.decode([t]) for t in ids(" a STOP")]
+    assert by[0][0]["logprobs"][0][2] == [[tok.decode([ids(" a")[0]]), -0.5], [tok.decode([0]), -3.0]]
+    assert "".join(e.get("text", "") for e in by[1]) == " one two three" and by[1][-1]["finish_reason"] == "length"
+    assert by[1][-1]["completion_tokens"] == len(ids(" one two")) + len(ids(" three"))
+    assert by[2][-1]["finish_reason"] == "stop" and [e["type"] for e in events].count("finish") == 3
+    assert front.loop.aborted == ["r-0"]  # the stop string's choice only
+
+    front, events = asyncio.run(run(leave_early=True))
+    assert sorted(front.loop.aborted) == ["r-0", "r-2"]  # r-1 had finished
+
+
+def test_the_replica_names_the_parameter_behind_an_engine_refusal(default_folder):
+    """Out-of-range values the engine refuses, and ids beyond the vocabulary, are 400s naming their
+    parameter; a structure the engine cannot compile names ``tools`` when the tools made it."""
+    import asyncio
+
+    from hvd_ray.serving.replica import _ClientError, deliver
+
+    front = _front(default_folder)()
+    base = {"max_tokens": None, "temperature": 0.0}
+    for extra, param in [
+        ({"logit_bias": {front.vocab_size: 1.0}}, "logit_bias"),
+        ({"min_tokens": 10**6}, "min_tokens"),
+    ]:
+        with pytest.raises(_ClientError) as e:
+            front._params({"params": {**base, **extra}}, 10, "prompt")
+        assert e.value.param == param, e.value.message
+
+    async def refused(req: dict) -> dict:
+        gen = front.generate(req)
+        assert (await gen.__anext__())["type"] == "start"
+        _, params, stream = front.loop.submitted[-1]
+        param = "response_format" if params.structure is not None else None  # as the engine loop names it
+        deliver(stream, {"type": "error", "status": 400, "message": "bad schema", "param": param})
+        return await gen.__anext__()
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    msgs = [{"role": "user", "content": "hi"}]
+    ev = asyncio.run(refused({"messages": msgs, "tools": [tool], "tool_choice": "required", "params": base}))
+    assert ev["type"] == "error" and ev["param"] == "tools"
+    fmt = {**base, "structure": {"type": "json_object"}}
+    assert asyncio.run(refused({"messages": msgs, "params": fmt}))["param"] == "response_format"
 
 
 def test_protocol_limits():
@@ -717,6 +1072,20 @@ def test_protocol_limits():
         ("stop", "s" * 257, "s" * 256),
         ("stop_token_ids", [0] * 65, [0] * 64),
         ("stop_token_ids", [2**31], [2**31 - 1]),
+        ("n", 17, 16),
+        ("n", 0, 1),
+        ("presence_penalty", 2.01, 2),
+        ("frequency_penalty", -2.01, -2),
+        ("repetition_penalty", 5e-324, 0.01),  # a denormal one would make the logits infinite
+        ("repetition_penalty", 100.5, 100),
+        ("min_p", 1.01, 1),
+        ("min_tokens", -1, 0),
+        ("logprobs", 21, 20),
+        ("logit_bias", {"x1": 1}, {"1": 1}),
+        ("logit_bias", {"1": 100.5}, {"1": -100}),
+        ("logit_bias", {str(2**31): 1}, {str(2**31 - 1): 1}),
+        ("response_format", {"type": "xml"}, {"type": "json_object"}),
+        ("response_format", {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "x"}}),
         ("prompt", [2**31], [2**31 - 1]),
         ("user", "u" * 257, "u" * 256),
     ]:

@@ -4,6 +4,7 @@ mode) side by side."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -16,6 +17,29 @@ from ..model import resolve
 from ..serving.config import ServingConfig
 from .machine import DTYPE_NAMES, command, machine_line
 from .prompts import prompt_ids
+
+
+@contextlib.contextmanager
+def local_server(cfg: dict, name: str = "bench"):
+    """Our Serve app of ``cfg`` on a fresh local Ray, one replica; yields its base URL."""
+    import ray
+    from ray import serve
+
+    from ..serving import build_app
+    from .vllm_load import free_port
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(
+            build_app({"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}, **cfg}), name=name, route_prefix="/"
+        )
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def _levels(args, tok) -> tuple[list[list[int]], dict[int, list[list[int]]]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -175,32 +174,20 @@ def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: i
     """Our Serve app (``drafter``, ``threads`` torch threads; None: the serving default) under ``vllm
     bench serve`` at each level of ``data`` (concurrency -> (prompt file, prompts)): per level its result
     plus the engine's busy and prefill seconds."""
-    import ray
-    from ray import serve
+    from .serve import _stats, local_server
 
-    from ..serving import build_app
-    from .serve import _stats
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
+    cfg = {
+        "model": "default",
+        "served_model_name": model,
+        "dtype": args.dtype,
+        "drafter": drafter,
+        "torch_threads": threads,
+        "max_batch": max(8, max(data)),
+        "max_model_len": 4096,
+        "max_tokens": 1024,
+    }
     out = {}
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        cfg = {
-            "model": "default",
-            "served_model_name": model,
-            "dtype": args.dtype,
-            "drafter": drafter,
-            "torch_threads": threads,
-            "max_batch": max(8, max(data)),
-            "max_model_len": 4096,
-            "max_tokens": 1024,
-            "num_replicas": 1,
-            "ray_actor_options": {"num_cpus": 1},
-        }
-        serve.run(build_app(cfg), name="where", route_prefix="/")
-        base = f"http://127.0.0.1:{port}"
+    with local_server(cfg, "where") as base:
         for c, (path, n) in data.items():
             s0 = _stats(base)
             res = client(
@@ -210,9 +197,6 @@ def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: i
             res["busy_s"] = s1["decode_s"] - s0["decode_s"]
             res["prefill_s"] = s1.get("prefill_s", 0.0) - s0.get("prefill_s", 0.0)
             out[c] = res
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return out
 
 

@@ -65,6 +65,22 @@ class Draft:
             self.marks[:n] if self.marks is not None else None,
         )
 
+    def kept(self, nodes: Sequence[int]) -> Draft:
+        """The draft with only ``nodes`` (ascending, each with its parent), e.g. less the subtrees a
+        grammar refuses."""
+        new = {old: i for i, old in enumerate(nodes)}
+        return Draft(
+            [self.token_ids[i] for i in nodes],
+            [new[self.parents[i]] if self.parents[i] >= 0 else -1 for i in nodes],
+            [self.probs[i] for i in nodes] if self.probs else [],
+            self.score,
+            self.match_len,
+            self.source,
+            self.dists[list(nodes)] if self.dists is not None else None,
+            self.setup_s,
+            [self.marks[i] for i in nodes] if self.marks is not None else None,
+        )
+
     @classmethod
     def union(cls, first: Draft, second: Draft, source: str = "union") -> Draft:
         """Both drafts as one tree (a trie: a path the two share is one path), so one forward

@@ -37,6 +37,8 @@ from ..verification.sampling import sample
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
 from .costs import ARMS, CACHE, PLAIN, POLICY, SpeculationCheck, batch_lengths
+from .grammar import Grammars
+from .processing import Processing, token_logprobs
 from .request import Request, SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,9 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     error: str | None = None  # finish_reason "error": what went wrong with this request
+    # with ``params.logprobs``: per new token, (its log-probability, [(token, log-probability)] of the
+    # top ``params.logprobs``) under the target's raw distribution (before any processing)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 # Fewer shared tokens than this (e.g. only a chat template's system prompt) are prefilled again: the
@@ -147,8 +152,10 @@ class Engine:
         slim: SlimTier | None = None,
         prefix_reuse: bool = True,
         reuse_slots: int = 0,
+        grammars: Grammars | None = None,
     ):
         self.model = model
+        self.grammars = grammars  # compiles ``params.structure`` (structured outputs); None: refused
         self.drafters = list(drafters)
         self.policy = policy
         self.num_draft_tokens = num_draft_tokens
@@ -195,6 +202,14 @@ class Engine:
         params = params or SamplingParams()
         prompt = check_fits(prompt, params, self.num_draft_tokens, self.max_len, self.model.cfg.vocab_size)
         req = Request(req_id or f"req-{next(self._ids)}", prompt, params)
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.processed:
+            if params.structure is not None and self.grammars is None:
+                raise ValueError("structured outputs need an engine built with its tokenizer")
+            constraint = self.grammars.constraint(params.structure) if params.structure is not None else None
+            req.processing = Processing(params, prompt, vocab, self.eos, constraint)
         if not params.greedy:
             req.generator = torch.Generator(device=self.model.device)
             req.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
@@ -309,6 +324,8 @@ class Engine:
             out = self.model(torch.tensor([req.prompt[c:]], device=dev), [req.slot], taps=self.taps, last_only=True)
             try:
                 first = self._first_tokens([req], out.logits[:, -1])[0]
+                if req.params.logprobs is not None:
+                    req.step_logprobs = token_logprobs(out.logits[:, -1], [0], [first], req.params.logprobs)
                 req.stats.prefill_s = time.perf_counter() - t0
                 req.stats.target_forwards += 1
                 if self.taps:
@@ -341,12 +358,17 @@ class Engine:
             d.reuse_prefix(req.req_id, best)
 
     def _first_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        if all(r.params.greedy for r in reqs):
+        if all(r.params.greedy and r.processing is None for r in reqs):
             return logits.argmax(-1).tolist()
         toks = []
         for b, r in enumerate(reqs):
-            p = r.params
-            probs = target_probs(logits[b], p.temperature, p.top_k, p.top_p)
+            p, row = r.params, logits[b : b + 1]
+            if r.processing is not None:
+                row = r.processing.apply(row, r.processing.prepare(Draft()))
+            if p.greedy:
+                toks.append(int(row[0].argmax()))
+                continue
+            probs = target_probs(row[0], p.temperature, p.top_k, p.top_p, p.min_p)
             toks.append(int(sample(probs, r.generator)))
         return toks
 
@@ -555,6 +577,8 @@ class Engine:
             b
             for b in range(B)
             if drafts[b].is_chain
+            and reqs[b].processing is None  # q' judges by the raw distribution, without logprobs
+            and reqs[b].params.logprobs is None
             and budgets[b] > 0
             and (len(drafts[b]) or tier.slim_empty)
             and not (tiered[b] and starts[b] - reqs[b].full_len + len(drafts[b]) + 1 > tier.max_lag)
@@ -636,7 +660,13 @@ class Engine:
         )
         logits = out.logits
         walks = best = None
-        if logits.is_cuda and T > 1 and out.offsets is None and all(r.params.greedy for r in reqs) and not any(lags):
+        if (
+            logits.is_cuda
+            and T > 1
+            and out.offsets is None
+            and all(r.params.greedy and r.processing is None for r in reqs)
+            and not any(lags)
+        ):
             walks = self.device_walks(logits, drafts)  # one Triton pass, no full argmax
         elif any(r.params.greedy for r in reqs):
             flat = logits.argmax(-1).tolist()  # one sync
@@ -652,6 +682,13 @@ class Engine:
                     walks[b] if walks is not None else None,
                     best[b][g:] if best is not None else None,
                 )
+                if req.params.logprobs is not None:
+                    req.step_logprobs = token_logprobs(
+                        out.row(b)[g : widths[b]],
+                        [0] + [i + 1 for i in path],
+                        [d.token_ids[i] for i in path] + [nxt],
+                        req.params.logprobs,
+                    )
                 keep = list(range(g + 1)) + [g + 1 + i for i in path]
                 cache.compact(req.slot, req.full_len, keep)
                 req.full_len = cache.lengths[req.slot]
@@ -669,6 +706,12 @@ class Engine:
     def _live_drafts(self, reqs: list[Request]) -> tuple[list[Request], list[Draft], list[float | None], list[bool]]:
         """``_drafts`` for the batch, less the requests that failed while drafting."""
         drafts, predicted, capped = self._drafts(reqs)
+        for i, r in enumerate(reqs):  # a grammar cuts what it refuses before the forward (engine/grammar.py)
+            if r.processing is not None and not r.finished:
+                try:
+                    drafts[i] = r.processing.prepare(drafts[i], self.draft_budget(r))
+                except Exception as e:  # noqa: BLE001 - this request's grammar: fail it alone
+                    self._fail(r, e, "matching the draft to the output's grammar")
         live = [i for i, r in enumerate(reqs) if not r.finished]
         return (
             [reqs[i] for i in live],
@@ -682,9 +725,13 @@ class Engine:
         """The accepted draft path and the next token of one request from its rows of the forward
         (``walk``: its device greedy walk, ``best``: its argmax row, when the batch computed them)."""
         p = req.params
-        if p.greedy:
+        if req.processing is not None:  # each node's own processed distribution (engine/processing.py)
+            logits = req.processing.apply(logits, d)
+            if p.greedy:
+                return greedy_walk(logits.argmax(-1).tolist(), d.token_ids, d.parents)
+        elif p.greedy:
             return walk if walk is not None else greedy_walk(best, d.token_ids, d.parents)
-        probs = target_probs(logits, p.temperature, p.top_k, p.top_p)
+        probs = target_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
         if probs.is_cuda and d.is_chain:  # kernels/rejection.py: one pass, one host sync
             n_acc, nxt = rejection_sample_chain(probs, d.token_ids, None, req.generator)
             return list(range(n_acc)), nxt
@@ -729,6 +776,7 @@ class Engine:
                 req.finish_reason = "length"
                 break
         req.output += kept
+        logprobs, req.step_logprobs = req.step_logprobs, None
         if p.stop and self.detokenize and not req.finished:
             new = kept
             if req.stop_scan is None:  # incremental over the whole output text: no stop string is too long
@@ -742,7 +790,15 @@ class Engine:
                 d.accept(req.req_id, kept)
         if not req.finished:
             req.pending = req.output[-1]
-        return StepOutput(req.req_id, kept, req.finished, req.finish_reason)
+            if req.processing is not None:
+                req.processing.advance(kept)
+        return StepOutput(
+            req.req_id,
+            kept,
+            req.finished,
+            req.finish_reason,
+            logprobs=logprobs[: len(kept)] if logprobs is not None else None,
+        )
 
     # ----------------------------------------------------------------------------- helpers
     def generate(

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .text import StopScanner
 
+if TYPE_CHECKING:
+    from .processing import Processing
+
 MIN_TEMPERATURE = 1e-5  # a smaller temperature is greedy decoding (as in vLLM)
+MAX_TOP_LOGPROBS = 20  # as in OpenAI's API
 
 
 @dataclass
@@ -24,6 +29,18 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # what the request does to the target's logits (engine/processing.py), inside verification too:
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of tokens in prompt or output divided (>0) or multiplied
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (after temperature)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked before this many output tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # what the output must parse as (engine/grammar.py, xgrammar): {"type": "json_object"},
+    # {"type": "json_schema", "schema": {...}}, {"type": "structural_tag", "format": {...}},
+    # {"type": "regex", "pattern": "..."} or {"type": "grammar", "ebnf": "..."}
+    structure: dict | None = None
+    logprobs: int | None = None  # None: none; k >= 0: each output token's log-probability and the top k
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
@@ -40,6 +57,33 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if any(not -100.0 <= b <= 100.0 or not math.isfinite(b) for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        self.logit_bias = {int(k): float(b) for k, b in self.logit_bias.items()}
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything changes the target's logits before sampling besides T, top-k and top-p."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_p
+            or self.min_tokens
+            or self.logit_bias
+            or self.structure is not None
+        )
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +166,8 @@ class Request:
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     stop_scan: StopScanner | None = field(default=None, repr=False)  # the engine's stop-string search
+    processing: Processing | None = field(default=None, repr=False)  # penalties, bias, grammar (params.processed)
+    step_logprobs: list | None = field(default=None, repr=False)  # this step's emitted tokens' (params.logprobs)
 
     @property
     def finished(self) -> bool:

@@ -77,7 +77,7 @@ def _validation_error(errors: list[dict]) -> P.APIError:
             return P.APIError(400, f"malformed JSON body: {err.get('msg', '')}".rstrip(": "), code="invalid_json")
         if err.get("type") == "extra_forbidden" and loc:
             return P.APIError(
-                400, f"{loc[0]} is not supported by this server", param=loc[0], code="unsupported_parameter"
+                400, f"{'.'.join(loc)} is not supported by this server", param=loc[0], code="unsupported_parameter"
             )
         if param is None and loc:
             param = loc[0]
@@ -362,19 +362,30 @@ class OpenAIIngress:
                 return
             yield ev
 
-    async def _collect(self, gen, head: list[dict], deadline: float) -> tuple[str, dict]:
-        parts, finish = [], None
+    async def _collect(self, gen, head: list[dict], deadline: float) -> list[tuple[str, list, dict]]:
+        """(text, logprob entries, finish event) of each choice, in index order."""
+        n = head[0].get("n", 1)
+        parts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
+        finish: list[dict | None] = [None] * n
         done = False
         try:
             async for ev in self._events(gen, head, deadline):
+                i = ev.get("index", 0)
                 if ev["type"] == "delta":
-                    parts.append(ev["text"])
+                    parts[i].append(ev["text"])
+                    logprobs[i] += ev.get("logprobs") or ()
                 elif ev["type"] == "finish":
-                    finish, done = ev, True
+                    finish[i] = ev
+                    done = all(f is not None for f in finish)
                 elif ev["type"] == "error":
                     done = True
                     raise P.APIError(
-                        ev.get("status", 500), ev["message"], ev.get("error_type", "server_error"), None, ev.get("code")
+                        ev.get("status", 500),
+                        ev["message"],
+                        ev.get("error_type", "server_error"),
+                        ev.get("param"),
+                        ev.get("code"),
                     )
         except (P.APIError, asyncio.CancelledError):
             raise
@@ -383,59 +394,93 @@ class OpenAIIngress:
         finally:
             if not done:
                 _cancel(gen)
-        if finish is None:
+        if not done:
             raise P.APIError(500, "the model replica ended the request without finishing it", "server_error")
-        return "".join(parts), finish
+        return [("".join(p), lp, f) for p, lp, f in zip(parts, logprobs, finish)]
+
+    @staticmethod
+    def _usage(finishes: list[dict]) -> dict:
+        """One prompt, the choices' completion tokens summed (as OpenAI counts ``n`` choices)."""
+        first = finishes[0]
+        return P.usage(first["prompt_tokens"], sum(f["completion_tokens"] for f in finishes), _cached(first))
 
     async def _stream(
-        self, gen, head: list[dict], deadline: float, kind: str, include_usage: bool, parallel_tools: bool | None
+        self,
+        gen,
+        head: list[dict],
+        deadline: float,
+        kind: str,
+        include_usage: bool,
+        parallel_tools: bool | None,
+        logprobs: bool,
     ):
-        """Server-sent events of one request; with tools (``parallel_tools`` not None) content streams
-        until a tool call may begin, and the calls come whole before the finish chunk."""
+        """Server-sent events of one request, each choice's chunks with its ``index``; with tools
+        (``parallel_tools`` not None) a choice's content streams until a tool call may begin, and its
+        calls come whole before its finish chunk; usage (when asked for) once all choices finished."""
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         created, model = P.now(), self.cfg.model_id
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        split = tools.StreamSplitter(head[0].get("forced", "")) if parallel_tools is not None else None
+        n = head[0].get("n", 1)
+        split = [tools.StreamSplitter() if parallel_tools is not None else None for _ in range(n)]
+        offset = [0] * n  # characters of each choice's logprob tokens so far (completions' text_offset)
 
-        def chunk(text: str | None, finish: str | None, role: bool = False, delta: dict | None = None) -> dict:
+        def chunk(i: int, text: str | None, finish: str | None, role: bool = False, delta=None, lps=None) -> dict:
             if kind == "chat":
                 if delta is None:
                     delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                c = P.chat_chunk(rid, model, created, delta, finish)
+                c = P.chat_chunk(
+                    rid, model, created, delta, finish, i, P.chat_logprobs(lps) if lps is not None else None
+                )
             else:
-                c = P.completion_chunk(rid, model, created, text or "", finish)
+                c = P.completion_chunk(
+                    rid,
+                    model,
+                    created,
+                    text or "",
+                    finish,
+                    i,
+                    P.completion_logprobs(lps, offset[i]) if lps is not None else None,
+                )
+                offset[i] += sum(len(e[0]) for e in lps or ())
             if include_usage:
                 c["usage"] = None
             return c
 
-        done = False
+        done, finished = False, {}
         try:
             if kind == "chat":
-                yield _sse(chunk(None, None, role=True))
+                for i in range(n):
+                    yield _sse(chunk(i, None, None, role=True))
             try:
                 async for ev in self._events(gen, head, deadline):
+                    i = ev.get("index", 0)
                     if ev["type"] == "delta":
-                        text = split.push(ev["text"]) if split else ev["text"]
-                        if text:
-                            yield _sse(chunk(text, None))
+                        text = split[i].push(ev["text"]) if split[i] else ev["text"]
+                        lps = ev.get("logprobs") if logprobs else None
+                        if text or lps:
+                            yield _sse(chunk(i, text, None, lps=lps))
                     elif ev["type"] == "finish":
-                        done = True
+                        finished[i] = ev
                         finish = ev["finish_reason"]
-                        if split:
-                            rest, calls = split.finish(parallel_tools)
+                        if split[i]:
+                            rest, calls = split[i].finish(parallel_tools)
                             if rest:
-                                yield _sse(chunk(rest, None))
+                                yield _sse(chunk(i, rest, None))
                             if calls:
                                 finish = "tool_calls"
-                                yield _sse(chunk(None, None, delta=P.tool_call_deltas(calls)))
-                        yield _sse(chunk(None, finish))
-                        if include_usage:
-                            use = P.usage(ev["prompt_tokens"], ev["completion_tokens"], _cached(ev))
-                            yield _sse(P.usage_chunk(rid, model, created, obj, use))
+                                yield _sse(chunk(i, None, None, delta=P.tool_call_deltas(calls)))
+                        yield _sse(chunk(i, None, finish))
+                        if len(finished) == n:
+                            done = True
+                            if include_usage:
+                                use = self._usage([finished[k] for k in range(n)])
+                                yield _sse(P.usage_chunk(rid, model, created, obj, use))
                     elif ev["type"] == "error":
                         done = True
                         yield _sse(
-                            P.error_body(ev["message"], ev.get("error_type", "server_error"), None, ev.get("code"))
+                            P.error_body(
+                                ev["message"], ev.get("error_type", "server_error"), ev.get("param"), ev.get("code")
+                            )
                         )
             except P.APIError as e:  # the request deadline: say so, then end the stream
                 done = True
@@ -456,26 +501,34 @@ class OpenAIIngress:
         include_usage: bool,
         arrived: float,
         parallel_tools: bool | None = None,
+        logprobs: bool = False,
     ):
         """Run one request; ``parallel_tools`` not None: the output is parsed for tool calls."""
         gen, head = await self._start(payload, arrived)
         deadline = arrived + self.cfg.request_timeout_s
         if stream:
             return StreamingResponse(
-                self._stream(gen, head, deadline, kind, include_usage, parallel_tools),
+                self._stream(gen, head, deadline, kind, include_usage, parallel_tools, logprobs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        text, fin = await self._collect(gen, head, deadline)
-        use = P.usage(fin["prompt_tokens"], fin["completion_tokens"], _cached(fin))
+        results = await self._collect(gen, head, deadline)
+        use = self._usage([fin for _, _, fin in results])
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         if kind != "chat":
-            return JSONResponse(P.completion_response(rid, self.cfg.model_id, text, fin["finish_reason"], use))
-        calls, finish = None, fin["finish_reason"]
-        if parallel_tools is not None:
-            text, calls = tools.parse(head[0].get("forced", "") + text, parallel_tools)
-            finish = "tool_calls" if calls else finish
-        return JSONResponse(P.chat_response(rid, self.cfg.model_id, text, finish, use, calls))
+            choices = [
+                P.completion_choice(i, text, fin["finish_reason"], P.completion_logprobs(lps) if logprobs else None)
+                for i, (text, lps, fin) in enumerate(results)
+            ]
+            return JSONResponse(P.completion_response(rid, self.cfg.model_id, choices, use))
+        choices = []
+        for i, (text, lps, fin) in enumerate(results):
+            calls, finish = None, fin["finish_reason"]
+            if parallel_tools is not None:
+                text, calls = tools.parse(text, parallel_tools)
+                finish = "tool_calls" if calls else finish
+            choices.append(P.chat_choice(i, text, finish, calls, P.chat_logprobs(lps) if logprobs else None))
+        return JSONResponse(P.chat_response(rid, self.cfg.model_id, choices, use))
 
     # ------------------------------------------------------------------------------- routes
     @api.get("/health")
@@ -550,8 +603,9 @@ class OpenAIIngress:
         arrived = asyncio.get_running_loop().time()
         body: P.CompletionRequest = await self._parse(request, P.CompletionRequest)
         self._check_max_tokens(body.max_tokens)
-        payload = {**body.single_prompt(), "params": body.sampling(body.max_tokens)}
-        return await self._generate(payload, "completion", body.stream, body.include_usage, arrived)
+        payload = {**body.single_prompt(), "params": body.sampling(body.max_tokens), "n": body.n}
+        logprobs = body.logprobs is not None
+        return await self._generate(payload, "completion", body.stream, body.include_usage, arrived, logprobs=logprobs)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -564,6 +618,7 @@ class OpenAIIngress:
             **body.tool_payload(),
             "params": body.sampling(n),
             "template_kwargs": body.chat_template_kwargs or {},
+            "n": body.n,
         }
         parallel = body.parallel_tool_calls if "tools" in payload else None
-        return await self._generate(payload, "chat", body.stream, body.include_usage, arrived, parallel)
+        return await self._generate(payload, "chat", body.stream, body.include_usage, arrived, parallel, body.logprobs)

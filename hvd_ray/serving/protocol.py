@@ -1,8 +1,9 @@
 """OpenAI wire format: request models (pydantic), response/chunk builders and error bodies.
 
 Only what the server implements is modelled, and nothing is silently ignored: a field the server
-does not know is refused with a 400 naming it (``unsupported_parameter``), and known fields it
-cannot honour (``n > 1``, ``logprobs``, penalties, ...) with a 400 naming the parameter.
+does not know is refused with a 400 naming it (``unsupported_parameter``), and values of known fields
+it cannot honour (``best_of > 1``, ``echo``, a ``response_format`` other than text / JSON) with a 400
+naming the parameter.
 
 Every field that reaches the engine has a range checked here, before any work (the README's
 "Limits and failure behaviour" lists them): a request the engine cannot run must be a 400 naming
@@ -16,9 +17,12 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from ..engine.request import MIN_TEMPERATURE  # smaller non-zero temperatures are refused (1/T would overflow)
+from ..engine.request import (
+    MAX_TOP_LOGPROBS,  # top log-probabilities per token (OpenAI: 20)
+    MIN_TEMPERATURE,  # smaller non-zero temperatures are refused (1/T would overflow)
+)
 
 # Limits of a request (documented in the README's "Limits and failure behaviour").
 MAX_SEED = 2**63  # seeds are in [0, 2**63): torch generators take a signed 64-bit seed
@@ -27,6 +31,11 @@ MAX_STOP = 4  # stop strings per request, as in OpenAI's API
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # ids beyond the vocabulary are refused by the replica, which knows it
+MAX_N = 16  # choices per request (each one an engine request sharing the prompt's K/V)
+MAX_PENALTY = 2.0  # presence / frequency penalties in [-2, 2], as in OpenAI's API
+MAX_LOGIT_BIAS = 100.0  # logit_bias values in [-100, 100], as in OpenAI's API
+# repetition_penalty divides (or multiplies) logits: a denormal one would make them infinite
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_MESSAGES = 1024
 TEMPLATE_OWN_KWARGS = {
     "conversation",
@@ -44,6 +53,8 @@ MAX_TOOLS = 128  # tools per request, and calls per assistant message
 MAX_TOOL_NAME = 64
 MAX_TOOL_ARGUMENTS = 2**16  # characters of one call's arguments (JSON text)
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object's key
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 
 class APIError(Exception):
@@ -101,8 +112,42 @@ def find_surrogate(obj: Any, path: tuple = ()) -> tuple | None:
 
 # ------------------------------------------------------------------------------------ requests
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``; the output is always held to ``schema`` (``strict``
+    or not, as vLLM does)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (a JSON object) or
+    ``{"type": "json_schema", "json_schema": {...}}`` (JSON valid under the schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structure(self) -> dict | None:
+        """The engine's ``structure`` (None: unconstrained text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema" and self.json_schema is not None and self.json_schema.schema_ is not None:
+            return {"type": "json_schema", "schema": self.json_schema.schema_}
+        return {"type": "json_object"}
+
+    @model_validator(mode="after")
+    def _schema_for_its_type(self) -> ResponseFormat:
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
 
 
 class _Common(BaseModel):
@@ -121,14 +166,20 @@ class _Common(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)  # extension (vLLM)
     ignore_eos: StrictBool = False  # extension (vLLM)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
-    # extension (vLLM); its benchmark client sends the neutral 1.0 with every request
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    repetition_penalty: float = Field(  # extension (vLLM); 1 = off
+        1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False
+    )
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # extension (vLLM); 0 = off
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID)  # extension (vLLM): no EOS / stop token before this many
+    # token id (a decimal string, as JSON keys are) -> added to its logit; ids beyond the vocabulary
+    # are refused by the replica
+    logit_bias: dict[TokenIdKey, LogitBias] | None = None
+    response_format: ResponseFormat | None = None  # completions: an extension (vLLM)
     user: str | None = Field(None, max_length=256)
 
     @field_validator("temperature")
@@ -136,6 +187,14 @@ class _Common(BaseModel):
     def _dividable(cls, v: float) -> float:
         if 0 < v < MIN_TEMPERATURE:  # 1/T would overflow the logits
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k in v or ():
+            if int(k) > MAX_TOKEN_ID:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}], got {k}")
         return v
 
     @field_validator("stop")
@@ -147,29 +206,28 @@ class _Common(BaseModel):
         return v
 
     def check_supported(self) -> None:
-        """Raise APIError(400) for parameters the server accepts syntactically but cannot honour."""
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise APIError(400, f"{param} is not supported (must be 0)", param=param, code="unsupported_value")
-        if self.repetition_penalty != 1.0:
-            raise APIError(
-                400,
-                "repetition_penalty is not supported (must be 1)",
-                param="repetition_penalty",
-                code="unsupported_value",
-            )
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
+        """Raise APIError(400) for parameters the server accepts syntactically but cannot honour,
+        and for combinations that contradict each other."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        n = self.requested_max_tokens
+        if n is not None and self.min_tokens > n:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) exceeds max_tokens ({n})", param="min_tokens")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]  # "" would match everywhere
 
+    def top_logprobs_k(self) -> int | None:
+        """Top log-probabilities per output token (None: no logprobs)."""
+        return None
+
     def sampling(self, max_tokens: int | None) -> dict:
+        """The engine's SamplingParams fields (the replica adds a tool call's structure)."""
         return {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -179,6 +237,14 @@ class _Common(BaseModel):
             "stop": self.stop_list(),
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
+            "logit_bias": {int(k): b for k, b in (self.logit_bias or {}).items()},
+            "structure": self.response_format.structure() if self.response_format else None,
+            "logprobs": self.top_logprobs_k(),
         }
 
     @property
@@ -189,16 +255,18 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: StrictBool = False
-    logprobs: int | None = None
+    # the top log-probabilities per token (OpenAI allows 5, vLLM 20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs is not supported", param="logprobs", code="unsupported_value")
         if self.best_of not in (None, 1):
             raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
         if self.suffix:
@@ -306,11 +374,10 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs: true
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): more variables for the chat template
 
     @field_validator("messages")
@@ -320,16 +387,27 @@ class ChatCompletionRequest(_Common):
             raise ValueError("messages must contain at least one message")
         return v
 
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs is not supported", param="logprobs", code="unsupported_value")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             if name not in {t.function.name for t in self.tools or ()}:
                 raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        forced = self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise APIError(
+                400,
+                "tool_choice 'required' or a named function holds the answer to tool calls; it cannot also "
+                f"follow response_format {self.response_format.type!r}",
+                param="tool_choice",
+            )
         taken = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_OWN_KWARGS)
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
@@ -338,13 +416,6 @@ class ChatCompletionRequest(_Common):
                 raise APIError(400, "a tool message needs tool_call_id", param="messages")
             if m.tool_calls and m.role != "assistant":
                 raise APIError(400, "only assistant messages carry tool_calls", param="messages")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(
-                400,
-                "response_format other than text is not supported",
-                param="response_format",
-                code="unsupported_value",
-            )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -377,7 +448,11 @@ class ChatCompletionRequest(_Common):
             if isinstance(self.tool_choice, NamedToolChoice)
             else (self.tool_choice or "auto")
         )
-        return {"tools": [t.model_dump(exclude_none=True) for t in self.tools], "tool_choice": choice}
+        return {
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools],
+            "tool_choice": choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
 
 
 # ----------------------------------------------------------------------------------- responses
@@ -401,39 +476,77 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return use
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def chat_logprobs(entries: list) -> dict:
+    """OpenAI's chat ``logprobs`` of the replica's ``[token text, logprob, [[text, logprob], ...]]``
+    entries (each token's UTF-8 bytes included)."""
+
+    def one(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(c, clp) for c, clp in top]} for t, lp, top in entries]}
+
+
+def completion_logprobs(entries: list, offset: int = 0) -> dict:
+    """OpenAI's (legacy) completion ``logprobs`` of the replica's entries; ``offset``: characters of
+    the choice's text before them. Each ``top_logprobs`` holds the top k and the chosen token, as in
+    OpenAI's API (up to k + 1 entries)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for text, logprob, top in entries:
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({**dict(top), text: logprob})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": now(),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": choices,
         "usage": use,
     }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(
+    rid: str, model: str, created: int, text: str, finish_reason: str | None, index: int = 0, logprobs=None
+) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [completion_choice(index, text, finish_reason, logprobs)],
     }
 
 
-def chat_response(
-    rid: str, model: str, text: str | None, finish_reason: str, use: dict, tool_calls: list[dict] | None = None
+def chat_choice(
+    index: int,
+    text: str | None,
+    finish_reason: str,
+    tool_calls: list[dict] | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": now(),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": choices,
         "usage": use,
     }
 
@@ -443,13 +556,15 @@ def tool_call_deltas(calls: list[dict]) -> dict:
     return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0, logprobs=None
+) -> dict:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 

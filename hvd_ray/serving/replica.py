@@ -8,8 +8,9 @@ replica's event loop keeps serving (tokenising, detokenising, streaming) while a
 
 ``generate`` is an async generator (called through a streaming DeploymentHandle) yielding plain
 dicts, first ``{"type": "start", ...}`` or ``{"type": "error", ...}``, then ``delta`` events and a
-final ``finish`` event. Errors are events rather than exceptions so their status and message cross
-the handle intact.
+``finish`` event per choice (``index``: a request with ``n`` choices runs ``n`` engine requests on
+one prompt, their events interleaved). Errors are events rather than exceptions so their status and
+message cross the handle intact.
 
 The request path around the loop (tokenising, validation, params, stop strings, streaming,
 metrics) is ``ReplicaFront``'s.
@@ -26,6 +27,7 @@ heartbeat between steps and while idle, and ``check_health`` fails once it is ol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -83,12 +85,13 @@ class _Metrics:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    index: int = 0  # the choice this engine request is (the queue may be shared by a request's n choices)
 
 
-def deliver(stream: _Stream, payload) -> None:
+def deliver(stream: _Stream, payload: dict) -> None:
     """Hand an event to a request's queue from the engine's thread."""
     try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, payload)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, {**payload, "index": stream.index})
     except RuntimeError:  # the request's event loop is gone
         pass
 
@@ -182,8 +185,9 @@ class EngineLoop:
                 _, ids, params, req_id, stream = item
                 try:
                     req = self.engine.add_request(ids, params, req_id)
-                except Exception as e:  # noqa: BLE001 - validated before submit; a last line of defence
-                    deliver(stream, {"type": "error", "status": 400, "message": str(e)})
+                except Exception as e:  # noqa: BLE001 - validated before submit, but for the output's structure
+                    param = "response_format" if params.structure is not None else None
+                    deliver(stream, {"type": "error", "status": 400, "message": str(e), "param": param})
                     continue
                 self._reqs[req_id] = (req, stream)
             else:
@@ -260,6 +264,7 @@ class EngineLoop:
             "tokens": out.new_tokens,
             "finished": out.finished,
             "finish_reason": out.finish_reason,
+            "logprobs": out.logprobs,
         }
         if out.finished:
             del self._reqs[out.req_id]
@@ -337,25 +342,30 @@ class ReplicaFront:
             loop.shutdown()
 
     # ---- the request path (called by the ingress)
-    def _tokenize(self, req: dict) -> tuple[list[int], str, str]:
-        """(prompt ids, the parameter they came from, the forced start of the answer)."""
+    def _tokenize(self, req: dict) -> tuple[list[int], str, dict | None]:
+        """(prompt ids, the parameter they came from, the structure tool calls must follow or None)."""
         if req.get("messages") is not None:
             try:
-                text, start = tools.render(
-                    self.tok, req["messages"], req.get("tools"), req.get("tool_choice"), req.get("template_kwargs")
+                text, structure = tools.render(
+                    self.tok,
+                    req["messages"],
+                    req.get("tools"),
+                    req.get("tool_choice"),
+                    req.get("template_kwargs"),
+                    req.get("parallel_tool_calls", True),
                 )
             except Exception as e:  # noqa: BLE001 - a template rejecting the conversation is a client error
                 raise _ClientError(f"the chat template rejected the messages: {e}", "messages") from e
-            return self.tok(text + start, add_special_tokens=False)["input_ids"], "messages", start
+            return self.tok(text, add_special_tokens=False)["input_ids"], "messages", structure
         if req.get("prompt_token_ids") is not None:
             ids = list(req["prompt_token_ids"])
             vocab = self.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise _ClientError(f"prompt token ids must be in [0, {vocab})", "prompt")
-            return ids, "prompt", ""
-        return self.tok(req["prompt"])["input_ids"], "prompt", ""
+            return ids, "prompt", None
+        return self.tok(req["prompt"])["input_ids"], "prompt", None
 
-    def _params(self, req: dict, n_prompt: int, param: str):
+    def _params(self, req: dict, n_prompt: int, param: str, structure: dict | None = None):
         from ..engine import SamplingParams
 
         sp = dict(req["params"])
@@ -377,69 +387,104 @@ class ReplicaFront:
                 "max_tokens",
                 code="context_length_exceeded",
             )
+        if any(not 0 <= t < self.vocab_size for t in sp.get("logit_bias") or ()):
+            raise _ClientError(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
+        if structure is not None:
+            sp["structure"] = structure
         try:
             return SamplingParams(**sp)
-        except (TypeError, ValueError) as e:
-            raise _ClientError(str(e), None) from e
+        except (TypeError, ValueError) as e:  # messages start with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise _ClientError(str(e), name if name in sp else None) from e
+
+    @staticmethod
+    def _choices(params, n: int) -> list:
+        """The params of each of ``n`` choices: with a seed, choice i samples with seed + i, so the
+        choices differ and the request stays reproducible."""
+        if n == 1 or params.seed is None:
+            return [params] * n
+        return [dataclasses.replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
+
+    def _token_text(self, token: int) -> str:
+        """A token's own text (``tok.decode([token])``, as vLLM names logprob tokens), cached."""
+        texts = self.__dict__.setdefault("_texts", {})
+        text = texts.get(token)
+        if text is None:
+            text = texts[token] = self.tok.decode([token])
+        return text
 
     async def generate(self, req: dict):
-        """Stream one request: start|error, then delta events, then finish."""
+        """Stream one request: start|error, then delta events and one finish event per choice."""
         t0 = time.perf_counter()
         try:
-            ids, param, start = self._tokenize(req)
+            ids, param, structure = self._tokenize(req)
             if not ids:
                 raise _ClientError("the prompt is empty", param)
-            params = self._params(req, len(ids), param)
+            params = self._params(req, len(ids), param, structure)
         except _ClientError as e:
             yield {"type": "error", "status": 400, "message": e.message, "param": e.param, "code": e.code}
             return
-        req_id = req.get("request_id") or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        n = int(req.get("n") or 1)
+        base = req.get("request_id") or uuid.uuid4().hex
+        rids = [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+        queue: asyncio.Queue = asyncio.Queue()
+        choices = [_Choice(p, self.tok, self._token_text) for p in self._choices(params, n)]
+        live: set[int] = set()  # choices whose engine request may still run
         try:
-            self.loop.submit(ids, params, req_id, stream)
-        except RuntimeError as e:
+            for i, (rid, choice) in enumerate(zip(rids, choices)):
+                self.loop.submit(ids, choice.params, rid, _Stream(asyncio.get_running_loop(), queue, i))
+                live.add(i)
+        except RuntimeError as e:  # the engine loop failed (then it has failed the ones submitted too)
             yield {"type": "error", "status": 503, "message": str(e), "error_type": "server_error"}
             return
-        yield {"type": "start", "prompt_tokens": len(ids), "forced": start}
-        text = TextStreamer(self.tok, params.stop)
-        n_out, first, done = 0, True, False
+        yield {"type": "start", "prompt_tokens": len(ids), "n": n}
+        first = True
         try:
-            while True:
-                ev = await stream.queue.get()
-                if ev["type"] == "error":
-                    done = True
+            while live:
+                ev = await queue.get()
+                i = ev["index"]
+                if i not in live:  # the last event of a choice a stop string ended here
+                    continue
+                if ev["type"] == "error":  # one choice failing fails the request; finally aborts the rest
+                    live.discard(i)
+                    if structure is not None and ev.get("param") == "response_format":
+                        ev = {**ev, "param": "tools"}  # the tools' schemas made the structure
                     yield ev
                     return
                 if first and ev["tokens"]:
                     first = False
                     if self.metrics:
                         self.metrics.ttft.observe(max(time.perf_counter() - t0, 0.0))
-                n_out += len(ev["tokens"])
-                piece = text.push(ev["tokens"])
+                choice = choices[i]
+                piece, logprobs = choice.push(ev["tokens"], ev.get("logprobs"))
                 finish = ev["finish_reason"] if ev["finished"] else None
-                if text.stopped:
+                if choice.text.stopped:
                     if not ev["finished"]:  # a stop string the engine's window missed: end it here
-                        self.loop.abort(req_id)
+                        self.loop.abort(rids[i])
                     finish = "stop"
-                if finish is not None and not text.stopped:
-                    piece += text.flush()
-                if piece:
-                    yield {"type": "delta", "text": piece}
+                if finish is not None and not choice.text.stopped:
+                    piece += choice.text.flush()
+                if piece or logprobs:
+                    delta = {"type": "delta", "index": i, "text": piece}
+                    if logprobs is not None:
+                        delta["logprobs"] = logprobs
+                    yield delta
                 if finish is not None:
-                    done = True
-                    self._count(n_out, finish)
+                    live.discard(i)
+                    self._count(choice.n_out, finish)
                     yield {
                         "type": "finish",
+                        "index": i,
                         "finish_reason": finish,
                         "prompt_tokens": len(ids),
-                        "completion_tokens": n_out,
+                        "completion_tokens": choice.n_out,
                         "stats": ev.get("stats"),
                     }
-                    return
         finally:
-            if not done:  # client went away (generator closed / cancelled): free the slot
-                self.loop.abort(req_id)
-                self._count(n_out, "abort")
+            for i in live:  # client went away (generator closed / cancelled), or a choice failed: free the slots
+                with contextlib.suppress(RuntimeError):  # the engine loop failed: nothing runs any more
+                    self.loop.abort(rids[i])
+                self._count(choices[i].n_out, "abort")
 
     def _count(self, n_out: int, finish: str) -> None:
         """Per-request metrics; they must never fail the request (a Counter refuses inc(0))."""
@@ -532,6 +577,43 @@ class ModelReplica(ReplicaFront):
         out["speculation"] = check.summary() if check is not None else None
         out["rss_bytes"] = psutil.Process().memory_info().rss  # leak checks under load (bench/load.py)
         return out
+
+
+class _Choice:
+    """One choice of a request as its tokens arrive: its text (stop strings cut it) and, when asked
+    for, its tokens' log-probabilities as ``[token text, logprob, [[text, logprob], ...top k]]``."""
+
+    def __init__(self, params, tok, token_text):
+        self.params = params
+        self.text = TextStreamer(tok, params.stop)
+        self.token_text = token_text
+        self.n_out = 0  # tokens taken: up to the one that completed a stop string
+
+    def push(self, tokens: list[int], logprobs: list | None) -> tuple[str, list | None]:
+        """(the text to send, the taken tokens' log-probabilities or None); with stop strings the
+        tokens go one at a time, so those after a stop string are neither counted nor reported."""
+        if self.params.stop:
+            piece, taken = "", 0
+            for t in tokens:
+                piece += self.text.push([t])
+                taken += 1
+                if self.text.stopped:
+                    break
+        else:
+            piece, taken = self.text.push(tokens), len(tokens)
+        self.n_out += taken
+        if self.params.logprobs is None:
+            return piece, None
+        name = self.token_text
+        return piece, [
+            [name(t), _finite(lp), [[name(c), _finite(clp)] for c, clp in top]]
+            for t, (lp, top) in zip(tokens[:taken], logprobs or ())
+        ]
+
+
+def _finite(logprob: float) -> float:
+    """A log-probability JSON can carry (as vLLM: -inf becomes -9999)."""
+    return max(float(logprob), -9999.0)
 
 
 class _ClientError(Exception):

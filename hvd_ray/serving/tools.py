@@ -8,9 +8,11 @@ list inside ``<tool_call>``, tool results as ``tool`` messages inside ``<tool_re
 assistant calls are rendered back into the text the model would have written, so the history reaches
 the model whichever template renders it.
 
-``tool_choice``: ``none`` renders no tools; ``auto`` lets the model choose; ``required`` and a named
-function start the assistant's answer with the call's opening (``<tool_call>``, and the function's
-name), which the parser then reads as part of the output.
+``tool_choice``: ``none`` renders no tools; ``auto`` lets the model choose, unconstrained;
+``required`` and a named function constrain the whole answer with a grammar (:func:`structure`, an
+xgrammar structural tag the engine enforces): calls in the template's format and nothing else, each
+call's arguments valid under its function's ``parameters`` schema (a named choice: one call of that
+function; ``parallel_tool_calls: false``: exactly one call).
 
 Parsing: every ``<tool_call>`` block of the output (a JSON object or a list of them, an unclosed last
 block included) becomes an OpenAI tool call with a fresh id and its arguments as a JSON string; text
@@ -68,11 +70,16 @@ def _loads(arguments: str) -> Any:
 
 
 def render(
-    tok, messages: list[dict], tools: list[dict] | None, tool_choice: Any, template_kwargs: dict | None = None
-) -> tuple[str, str]:
-    """(prompt text, forced start of the answer) for a chat request; ``messages`` in OpenAI form
-    (assistant ``tool_calls``, ``tool`` messages with ``tool_call_id``); ``template_kwargs``: more
-    variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
+    tok,
+    messages: list[dict],
+    tools: list[dict] | None,
+    tool_choice: Any,
+    template_kwargs: dict | None = None,
+    parallel: bool = True,
+) -> tuple[str, dict | None]:
+    """(prompt text, the structure the answer must follow or None) for a chat request; ``messages``
+    in OpenAI form (assistant ``tool_calls``, ``tool`` messages with ``tool_call_id``);
+    ``template_kwargs``: more variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
     own = template_knows_tools(tok)
     use = bool(tools) and tool_choice != "none"
     msgs = []
@@ -110,18 +117,49 @@ def render(
             m["content"] = ""
     kwargs = {**(template_kwargs or {}), **({"tools": list(tools)} if use and own else {})}
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
-    return text, forced_start(tool_choice, own) if use else ""
+    return text, structure(tools, tool_choice, own, parallel) if use else None
 
 
-def forced_start(tool_choice: Any, own_template: bool) -> str:
-    """The answer's forced opening: a call's opening for ``required``, with the name for a named one."""
+def structure(tools: list[dict], tool_choice: Any, own_template: bool, parallel: bool = True) -> dict | None:
+    """The engine's ``structure`` for ``required`` or a named function (None for ``auto``): an
+    xgrammar structural tag that admits exactly the calls :func:`parse` reads back, in the template's
+    format: the default one's JSON list inside one ``<tool_call>`` block, or Hermes blocks (one call
+    each, newline-separated) for a template that knows tools. A function without ``parameters``
+    takes any JSON object."""
     if isinstance(tool_choice, dict):
-        name = json.dumps(tool_choice["function"]["name"])
-        # no trailing space: BPE vocabularies carry it on the next token (' {'), which the model then writes
-        return f'{OPEN}\n{{"name": {name}, "arguments":' if own_template else f'{OPEN}[{{"name": {name}, "arguments":'
-    if tool_choice == "required":
-        return f"{OPEN}\n" if own_template else OPEN
-    return ""
+        name = tool_choice["function"]["name"]
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        parallel = False  # a named choice is one call of that function (as OpenAI and vLLM answer it)
+    elif tool_choice == "required":
+        chosen = list(tools)
+    else:
+        return None
+    opening, end, sep = (f"{OPEN}\n", f"}}\n{CLOSE}", "\n") if own_template else ("", "}", ", ")
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{opening}{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
+            "content": {
+                "type": "json_schema",
+                "json_schema": t["function"].get("parameters") or {"type": "object"},
+                "max_whitespace_cnt": 1,  # one space at a time: small models given free whitespace may loop on it
+            },
+            "end": end,
+        }
+        for t in chosen
+    ]
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": sep, "at_least_one": True}
+    calls["stop_after_first"] = not parallel
+    if not own_template:
+        calls = {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": f"{OPEN}["},
+                calls,
+                {"type": "const_string", "value": f"]{CLOSE}"},
+            ],
+        }
+    return {"type": "structural_tag", "format": calls}
 
 
 def parse(text: str, parallel: bool = True) -> tuple[str | None, list[dict] | None]:
@@ -198,10 +236,10 @@ def _calls(body: str) -> list[dict] | None:
 class StreamSplitter:
     """Streams content deltas until a tool call may begin, then holds the rest for :func:`parse`."""
 
-    def __init__(self, start: str = ""):
-        self.text = start  # all output so far, forced start included
+    def __init__(self) -> None:
+        self.text = ""  # all output so far
         self.sent = 0  # characters of ``text`` already streamed as content
-        self.holding = bool(start)
+        self.holding = False
 
     def push(self, piece: str) -> str:
         """The content that can be streamed now."""

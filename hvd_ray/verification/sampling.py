@@ -28,8 +28,11 @@ def _as_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
     return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
 
-def target_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution plain sampling draws from: logits / T, then top-k, then top-p, renormalised.
+def target_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """The distribution plain sampling draws from: logits / T, then min-p (tokens below ``min_p``
+    times the top token's probability dropped), then top-k, then top-p, renormalised.
 
     Verification must use exactly the distribution normal sampling would use, or speculative output
     would differ in distribution from non-speculative output; both go through this function.
@@ -42,6 +45,9 @@ def target_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     x = logits / temperature
     vocab = x.shape[-1]
+    if min_p > 0:
+        p = x.softmax(-1)
+        x = x.masked_fill(p < min_p * p.amax(-1, keepdim=True), float("-inf"))
     if 0 < top_k < vocab:
         kth = x.topk(top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -201,6 +201,7 @@ def load_bfcl(category: str) -> list[Prompt]:
                     "bfcl_id": row["id"],
                     "function_names": [f["name"] for f in functions],
                     "functions": functions,
+                    "question": row["question"][0],  # the turn as BFCL gives it (tools sent through an API)
                     "ground_truth": answers.get(row["id"]),
                 },
             )
