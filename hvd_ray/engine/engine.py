@@ -381,6 +381,18 @@ class Engine:
             0, min(cap, r.params.max_tokens - len(r.output) - 1, self.max_len - self.model.cache.lengths[r.slot] - 1)
         )
 
+    def _grammar_room(self, r: Request, d: Draft) -> int:
+        """Nodes a draft may have once the grammar continued it (``grammar.Constraint.extend``): up to
+        ``num_draft_tokens`` forced tokens more, within the request's tokens to come and its slot (a
+        plain engine, without drafts, gets none)."""
+        if self.num_draft_tokens == 0:
+            return 0
+        return min(
+            len(d) + self.num_draft_tokens,
+            r.params.max_tokens - len(r.output) - 1,
+            self.max_len - self.model.cache.lengths[r.slot] - 1,
+        )
+
     def _drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[float | None], list[bool]]:
         """Each request's draft for this step, from the source its policy chose (with the predicted
         yield, and whether the batch's draft sizing cut it: ``costs.batch_lengths``).
@@ -709,7 +721,7 @@ class Engine:
         for i, r in enumerate(reqs):  # a grammar cuts what it refuses before the forward (engine/grammar.py)
             if r.processing is not None and not r.finished:
                 try:
-                    drafts[i] = r.processing.prepare(drafts[i], self.draft_budget(r))
+                    drafts[i] = r.processing.prepare(drafts[i], self._grammar_room(r, drafts[i]))
                 except Exception as e:  # noqa: BLE001 - this request's grammar: fail it alone
                     self._fail(r, e, "matching the draft to the output's grammar")
         live = [i for i, r in enumerate(reqs) if not r.finished]

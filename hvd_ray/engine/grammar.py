@@ -81,24 +81,37 @@ class Constraint:
         self.matcher, self.vocab_size, self.encode = matcher, vocab_size, encode
 
     def extend(self, draft: Draft, room: int) -> Draft:
-        """A chain draft continued by the text the grammar forces after it (a JSON key that must
-        come next, the rest of a tool call's tag), tokenised: the grammar drafts what it already
-        knows, and the target verifies it like any draft. Else the draft as it is."""
-        if self.encode is None or len(draft) >= room or not draft.is_chain or draft.dists is not None:
+        """The draft continued, at the end of its main path (first children from the root: a chain's
+        whole length), by the text the grammar forces there (a JSON key that must come next, the rest
+        of a tool call's tag), tokenised, up to ``room`` nodes in all: the grammar drafts what it
+        already knows, and the target verifies it like any draft. Else the draft as it is."""
+        if self.encode is None or len(draft) >= room or draft.dists is not None:
             return draft
-        m, n = self.matcher, 0
-        for t in draft.token_ids:
-            if not m.accept_token(t):
-                break
-            n += 1
-        forced = m.find_jump_forward_string() if n == len(draft) and not m.is_terminated() else ""
-        m.rollback(n)
+        m, children = self.matcher, tree_children(draft.parents)
+        node, depth = 0, 0  # node: 0 the root, i + 1 draft node i
+        while children[node]:
+            c = children[node][0]
+            if not m.accept_token(draft.token_ids[c]):
+                m.rollback(depth)
+                return draft  # the grammar refuses the path: prune cuts it
+            node, depth = c + 1, depth + 1
+        forced = m.find_jump_forward_string() if not m.is_terminated() else ""
+        m.rollback(depth)
         if not forced:
             return draft
         more = self.encode(forced)[: room - len(draft)]
-        source = f"{draft.source}+grammar" if draft.source else "grammar"
-        return Draft.chain(
-            draft.token_ids + more, (draft.probs or [1.0] * len(draft)) + [1.0] * len(more), source=source
+        n = len(draft)
+        parents = [node - 1] + list(range(n, n + len(more) - 1))
+        return Draft(
+            draft.token_ids + more,
+            draft.parents + parents,
+            (draft.probs or [1.0] * n) + [1.0] * len(more),
+            draft.score,
+            draft.match_len,
+            f"{draft.source}+grammar" if draft.source else "grammar",
+            None,
+            draft.setup_s,
+            draft.marks + [False] * len(more) if draft.marks is not None else None,
         )
 
     def prune(self, draft: Draft) -> tuple[Draft, torch.Tensor]:
