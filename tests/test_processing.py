@@ -142,10 +142,12 @@ def _reference(logits: torch.Tensor, prompt: list[int], output: list[int], p: di
     return (probs / probs.sum()).float()
 
 
-def test_processed_sampling_under_speculation_gives_the_processed_distribution(tmp_path):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_processed_sampling_under_speculation_gives_the_processed_distribution(tmp_path, seeded):
     """Chi-square on the 2nd emitted token: speculative sampling with penalties, ``min_p``,
     ``logit_bias`` and ``min_tokens`` against the exact processed marginal, computed independently
-    (``_reference``) from the target's logits."""
+    (``_reference``) from the target's logits; seeded requests (Gumbel-max keyed by position) and
+    unseeded ones (rejection sampling)."""
     from conftest import second_token_marginal, second_token_pvalue
 
     folder = make_tiny("llama", tmp_path / "m", vocab_size=12, seed=5)
@@ -169,7 +171,7 @@ def test_processed_sampling_under_speculation_gives_the_processed_distribution(t
         n = 3000
         reqs = engine.generate(
             [prompt] * n,
-            [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS) for s in range(n)],
+            [SamplingParams(max_tokens=3, seed=s if seeded else None, ignore_eos=True, **PARAMS) for s in range(n)],
         )
         assert sum(s.accepted for r in reqs for s in r.stats.steps) > 100  # drafts were really accepted
         pvalue, obs = second_token_pvalue(reqs, exact)
@@ -216,3 +218,22 @@ def test_each_node_of_a_tree_is_processed_with_its_own_path():
     for j, path in enumerate(paths):
         want = _reference(logits[j], prompt, output + path, {**PARAMS, "min_tokens": 4, "min_p": 0.0}, [0])
         assert torch.allclose(got[j].softmax(-1), want, atol=1e-6), j
+
+
+def test_a_seeded_request_samples_the_same_tokens_with_and_without_speculation(target, tok, prompts):
+    """Seeded sampling (T 0.8, top-p 0.95, a penalty) draws each output position from (seed, position):
+    HVD emits exactly plain decoding's tokens (fp32), and another seed other tokens."""
+    params = [
+        SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, presence_penalty=0.3, seed=7 + i) for i in range(4)
+    ]
+    outs = {}
+    for drafter in ("none", "hvd"):
+        engine = build_engine(EngineSpec(drafter=drafter, max_batch=4, max_len=1024), target[0], tok)
+        reqs = engine.generate(prompts[:4], params)
+        outs[drafter] = [r.output for r in reqs]
+        if drafter == "hvd":
+            assert sum(s.accepted for r in reqs for s in r.stats.steps) > 10
+    assert outs["hvd"] == outs["none"]
+    engine = build_engine(EngineSpec(drafter="none", max_batch=4, max_len=1024), target[0], tok)
+    other = engine.generate(prompts[:4], [SamplingParams(**{**vars(p), "seed": p.seed + 100}) for p in params])
+    assert [r.output for r in other] != outs["none"]

@@ -33,7 +33,7 @@ from ..drafters.base import Draft, Drafter, DraftRequest
 from ..model.tp import rank0_values
 from ..model.transformer import Transformer
 from ..verification import greedy_walk, rejection_sample_chain, rejection_sample_tree, target_probs, tree_attention_mask
-from ..verification.sampling import sample
+from ..verification.sampling import gumbel_scores, sample
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
 from .costs import ARMS, CACHE, PLAIN, POLICY, SpeculationCheck, batch_lengths
@@ -369,7 +369,10 @@ class Engine:
                 toks.append(int(row[0].argmax()))
                 continue
             probs = target_probs(row[0], p.temperature, p.top_k, p.top_p, p.min_p)
-            toks.append(int(sample(probs, r.generator)))
+            if p.seed is not None:  # position 0's Gumbel draw (``_verify``)
+                toks.append(int(gumbel_scores(probs[None], p.seed, [0]).argmax()))
+            else:
+                toks.append(int(sample(probs, r.generator)))
         return toks
 
     def draft_budget(self, r: Request, drafter: Drafter | None = None) -> int:
@@ -744,6 +747,9 @@ class Engine:
         elif p.greedy:
             return walk if walk is not None else greedy_walk(best, d.token_ids, d.parents)
         probs = target_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+        if p.seed is not None:  # reproducible: each output position's draw is keyed by (seed, position)
+            at = [len(req.output) + depth for depth in tree_depths(d.parents)]
+            return greedy_walk(gumbel_scores(probs, p.seed, at).argmax(-1).tolist(), d.token_ids, d.parents)
         if probs.is_cuda and d.is_chain:  # kernels/rejection.py: one pass, one host sync
             n_acc, nxt = rejection_sample_chain(probs, d.token_ids, None, req.generator)
             return list(range(n_acc)), nxt

@@ -8,6 +8,10 @@ the probabilities' device, so a seeded generator replays a request exactly.
 
 Each call makes a fixed, small number of host syncs (one ``tolist`` for the accept decisions, one
 for the sampled token) instead of one per draft token.
+
+A request with a seed is verified differently (``gumbel_scores``): each output position's draw is
+a Gumbel-max keyed by (seed, position), so its tokens do not depend on the drafts at all and a
+seeded request replays exactly, with or without speculation.
 """
 
 from __future__ import annotations
@@ -66,6 +70,32 @@ def target_probs(
             f"the sampling distribution is not finite (temperature {temperature}, top_k {top_k}, top_p {top_p})"
         )
     return probs
+
+
+def _position_seed(seed: int, position: int) -> int:
+    """A generator seed for one output position of a seeded request (splitmix64 of the pair)."""
+    x = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def gumbel_scores(probs: torch.Tensor, seed: int, positions: Sequence[int]) -> torch.Tensor:
+    """``log(probs) + g`` per row, with Gumbel noise ``g`` drawn from ``(seed, positions[row])``: a
+    row's argmax is a draw from it (Gumbel-max). The noise of output position t is the same whatever
+    the draft, the batch or the drafter, so verifying a draft becomes a greedy walk over these
+    argmaxes, and a seeded request emits the same tokens with and without speculation. For a draft
+    of fixed tokens this accepts as often as rejection sampling: a token is taken with its probability."""
+    noise = torch.empty_like(probs, dtype=torch.float32)
+    drawn: dict[int, torch.Tensor] = {}
+    for i, pos in enumerate(positions):
+        if pos not in drawn:
+            g = torch.Generator(device=probs.device)
+            g.manual_seed(_position_seed(seed, pos))
+            u = torch.rand(probs.shape[-1], generator=g, device=probs.device)
+            drawn[pos] = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
+        noise[i] = drawn[pos]
+    return probs.float().log() + noise
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
