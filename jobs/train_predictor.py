@@ -28,8 +28,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from hvd_ray.selection.cost_policy import CostPolicy
 from hvd_ray.selection.features import SPEC, FeatureSpec
-from hvd_ray.selection.policy import AlwaysCache, AlwaysModel, CostPolicy, OraclePolicy, ScoreRule, TauPolicy
+from hvd_ray.selection.policy import AlwaysCache, AlwaysModel, OraclePolicy, ScoreRule, TauPolicy
 from hvd_ray.selection.predictor import YieldPredictor
 from hvd_ray.traces.labels import META_FILE, SPEC_KEY, with_regime
 from hvd_ray.traces.simulate import simulate, trace_labels_from_table

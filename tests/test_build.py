@@ -198,7 +198,7 @@ def test_build_engine_hvd_on_the_default_model(target):
     """HVD (the shipped predictor + EAGLE-3 head, cost policy) and a slim tier: lossless in fp32."""
     from hvd_ray.drafters.eagle3 import Eagle3Drafter
     from hvd_ray.drafters.suffix import SuffixDrafter
-    from hvd_ray.selection.policy import CostPolicy
+    from hvd_ray.selection.cost_policy import CostPolicy
 
     model, tok = target
     ids = tok("def add(a, b):")["input_ids"]

@@ -156,7 +156,7 @@ def test_the_engine_feeds_its_lone_verify_forwards_to_the_width_fit(tiny_llama):
     engine's own timings, and the output stays plain greedy's."""
     from hvd_ray.drafters.suffix import SuffixDrafter
     from hvd_ray.engine import Engine, SamplingParams
-    from hvd_ray.engine.engine import Choice
+    from hvd_ray.engine.policy import Choice
 
     model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
     measured = measure_step_costs(model, widths=(1, 2, 4, 8, 16), prefix=16, reps=2, long_prefix=0)
@@ -168,7 +168,9 @@ def test_the_engine_feeds_its_lone_verify_forwards_to_the_width_fit(tiny_llama):
             seen.append((rows, tokens, context))
             super().observe(rows, tokens, seconds, context)
 
-    class Cached:  # a cost policy that always verifies the cache's draft
+    from hvd_ray.engine.policy import DraftPolicy
+
+    class Cached(DraftPolicy):  # a cost policy that always verifies the cache's draft
         costs = Observed(dict(measured.table), measured.forward_s, True)
 
         def __call__(self, req, engine):
@@ -215,7 +217,7 @@ def test_the_batch_lengths_are_sized_before_the_model_drafter_runs(tiny_llama):
     the drafter's acceptance from them), and the output stays plain greedy's."""
     from hvd_ray.drafters.layerskip import LayerSkipDrafter
     from hvd_ray.engine import Engine, SamplingParams
-    from hvd_ray.engine.engine import Choice
+    from hvd_ray.engine.policy import Choice
 
     model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
     asked = []
@@ -227,7 +229,9 @@ def test_the_batch_lengths_are_sized_before_the_model_drafter_runs(tiny_llama):
 
     drafter = Counted(model, [(1, "attn")], min_prob=0.0)
 
-    class Expecting:  # a cost policy that always picks the model drafter and expects `gain` tokens of it
+    from hvd_ray.engine.policy import DraftPolicy
+
+    class Expecting(DraftPolicy):  # a cost policy that always picks the model drafter and expects `gain` tokens
         costs = StepCosts({1: 1.0, 8: 1.2, 16: 2.0, 64: 6.0})
 
         def __init__(self, gain: float):

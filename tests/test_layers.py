@@ -128,3 +128,20 @@ def test_the_graph_sees_hidden_imports():
     assert {"hvd_ray.verification", "hvd_ray.drafters.base", "hvd_ray.engine.request"} <= deps
     assert "hvd_ray.kernels" in {m for _, m in edges["hvd_ray.model.kv_cache"]}  # imported inside a method
     assert all(layer_of(m) for m in edges)  # every module has a layer
+
+
+def test_the_engine_asks_a_policy_only_what_its_interface_declares():
+    """The engine (layer 4) reaches a policy (layer 5) only through ``engine.policy.DraftPolicy``:
+    calling it, its ``costs``, ``cache`` and ``cache_choice``; never by probing (``getattr``)."""
+    from hvd_ray.engine.policy import DraftPolicy
+
+    declared = {n for n in vars(DraftPolicy) if not n.startswith("__")}
+    for path in (ROOT / "hvd_ray" / "engine").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                if node.value.attr == "policy" and isinstance(node.value.value, ast.Name):
+                    assert node.attr in declared, f"{path.name}:{node.lineno} reads policy.{node.attr}"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr"):
+                probed = ast.unparse(node.args[0])
+                assert "policy" not in probed, f"{path.name}:{node.lineno} probes {probed}"

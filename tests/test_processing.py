@@ -166,18 +166,19 @@ def test_processed_sampling_under_speculation_gives_the_processed_distribution(t
                 exact += p1[a] * _reference(row, prompt, [a], PARAMS, eos)
     assert exact[7] == 0 and (exact > 0).sum() >= 4  # min_tokens and min_p bite, enough bins stay
     unprocessed = second_token_marginal(model, prompt, 1.0)  # the negative control's reference
-    for drafter in (SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn"), (2, "mlp")], min_prob=0.0)):
-        engine = Engine(model, drafters=[drafter], max_batch=8, max_len=64, num_draft_tokens=4)
-        n = 3000
-        reqs = engine.generate(
-            [prompt] * n,
-            [SamplingParams(max_tokens=3, seed=s if seeded else None, ignore_eos=True, **PARAMS) for s in range(n)],
-        )
-        assert sum(s.accepted for r in reqs for s in r.stats.steps) > 100  # drafts were really accepted
-        pvalue, obs = second_token_pvalue(reqs, exact)
-        assert pvalue > 1e-3, (drafter.name, obs, (exact * n).tolist())
-        assert obs[7] == 0
-        assert second_token_pvalue(reqs, unprocessed)[0] < 1e-6  # the processing made a difference
+    # a cache drafter (fixed tokens, trees) for one path, a model drafter (sampled chains) for the other
+    drafter = SuffixDrafter() if seeded else LayerSkipDrafter(model, [(1, "attn"), (2, "mlp")], min_prob=0.0)
+    engine = Engine(model, drafters=[drafter], max_batch=8, max_len=64, num_draft_tokens=4)
+    n = 3000
+    reqs = engine.generate(
+        [prompt] * n,
+        [SamplingParams(max_tokens=3, seed=s if seeded else None, ignore_eos=True, **PARAMS) for s in range(n)],
+    )
+    assert sum(s.accepted for r in reqs for s in r.stats.steps) > 100  # drafts were really accepted
+    pvalue, obs = second_token_pvalue(reqs, exact)
+    assert pvalue > 1e-3, (drafter.name, obs, (exact * n).tolist())
+    assert obs[7] == 0
+    assert second_token_pvalue(reqs, unprocessed)[0] < 1e-6  # the processing made a difference
 
 
 def test_the_grammar_drafts_the_text_it_forces(tok, grammars):

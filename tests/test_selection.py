@@ -18,6 +18,7 @@ from hvd_ray.drafters.layerskip import LayerSkipDrafter, parse_skip
 from hvd_ray.drafters.suffix import SuffixDrafter
 from hvd_ray.engine import Engine, SamplingParams
 from hvd_ray.model.transformer import Transformer
+from hvd_ray.selection.cost_policy import CostPolicy
 from hvd_ray.selection.features import (
     FEATURES,
     FLAGS,
@@ -36,7 +37,6 @@ from hvd_ray.selection.policy import (
     NONE,
     AlwaysCache,
     AlwaysModel,
-    CostPolicy,
     OraclePolicy,
     ScoreRule,
     StepView,

@@ -123,7 +123,7 @@ def test_speculative_sampling_preserves_the_distribution(tmp_path):
 def test_a_union_tree_preserves_the_distribution(tmp_path):
     """Both drafts as one tree (``Choice.also``: the cache draft joins the model drafter's) are
     sampled by recursive rejection over the tree's children: the 2nd token keeps the target marginal."""
-    from hvd_ray.engine.engine import Choice
+    from hvd_ray.engine.policy import Choice
 
     folder = make_tiny("llama", tmp_path / "m", vocab_size=12, seed=5)
     model = Transformer.from_pretrained(folder, dtype=torch.float32)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..drafters.base import Draft, DraftRequest
-from ..engine.engine import Choice
+from ..engine.policy import Choice
 from ..selection.policy import Policy, matched
 
 

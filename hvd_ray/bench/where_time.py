@@ -51,7 +51,7 @@ def timing(ph: Phases):
     orig = {
         (Engine, "_prefill"): Engine._prefill,
         (Engine, "_decode"): Engine._decode,
-        (Engine, "_drafts"): Engine._drafts,
+        (Engine, "_plan"): Engine._plan,
         (Transformer, "forward"): Transformer.forward,
         (_StepContext, "attend"): _StepContext.attend,
         (Attention, "_cascade"): Attention._cascade,
@@ -76,7 +76,7 @@ def timing(ph: Phases):
     def drafts(self, reqs):
         t0 = time.perf_counter()
         try:
-            return orig[(Engine, "_drafts")](self, reqs)
+            return orig[(Engine, "_plan")](self, reqs)
         finally:
             ph.s["drafting"] += time.perf_counter() - t0
 
@@ -124,7 +124,7 @@ def timing(ph: Phases):
     new = {
         "_prefill": prefill,
         "_decode": decode,
-        "_drafts": drafts,
+        "_plan": drafts,
         "forward": forward,
         "attend": attend,
         "_cascade": staticmethod(cascade),

@@ -38,33 +38,11 @@ from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_ve
 from ..verification.tree import tree_depths
 from .costs import ARMS, CACHE, PLAIN, POLICY, SpeculationCheck, batch_lengths
 from .grammar import Grammars
+from .policy import Choice, DraftPolicy, as_choice, as_policy
 from .processing import Processing, token_logprobs
 from .request import Request, SamplingParams, StepRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Choice:
-    """A policy's decision for one request and step: which source drafts, optionally the draft
-    itself (when the policy had to draft to decide), the predicted accepted length, and ``gains``:
-    the expected accepted tokens with the draft cut to 0, 1, 2, ... tokens (a policy that prices its
-    drafts gives them, so the engine can size the batch's drafts together: ``costs.batch_lengths``);
-    ``also``: a draft already made (the cache's) that joins ``drafter``'s in one tree, verified in
-    the same forward (a lone request's union step: ``selection.policy.CostPolicy``)."""
-
-    drafter: Drafter | None
-    draft: Draft | None = None
-    predicted: float | None = None
-    gains: Sequence[float] | None = None
-    also: Draft | None = None  # a cache draft to verify with ``drafter``'s as one tree (``Draft.union``)
-
-
-def as_choice(x: Choice | Drafter | None) -> Choice:
-    return x if isinstance(x, Choice) else Choice(x)
-
-
-Policy = Callable[[Request, "Engine"], "Choice | Drafter | None"]
 
 
 @dataclass
@@ -79,6 +57,28 @@ class StepOutput:
     # with ``params.logprobs``: per new token, (its log-probability, [(token, log-probability)] of the
     # top ``params.logprobs``) under the target's raw distribution (before any processing)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class DraftPlan:
+    """One decode step's drafts, planned before its forward: per request (``reqs``) its draft, the
+    policy's predicted yield, whether the batch's sizing cut it, its own drafting seconds; ``arm``: how
+    the batch drafts (``costs.SpeculationCheck``)."""
+
+    reqs: list[Request]
+    drafts: list[Draft]
+    predicted: list[float | None]
+    capped: list[bool]
+    own_s: list[float]
+    arm: str = POLICY
+
+    def live(self) -> DraftPlan:
+        """The plan less the requests that failed while it was made."""
+        keep = [i for i, r in enumerate(self.reqs) if not r.finished]
+        pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
+        return DraftPlan(
+            pick(self.reqs), pick(self.drafts), pick(self.predicted), pick(self.capped), pick(self.own_s), self.arm
+        )
 
 
 # Fewer shared tokens than this (e.g. only a chat template's system prompt) are prefilled again: the
@@ -142,7 +142,7 @@ class Engine:
         model: Transformer,
         *,
         drafters: Sequence[Drafter] = (),
-        policy: Policy | None = None,
+        policy: DraftPolicy | Callable | None = None,
         max_batch: int = 8,
         max_len: int = 2048,
         num_draft_tokens: int = 8,
@@ -157,7 +157,7 @@ class Engine:
         self.model = model
         self.grammars = grammars  # compiles ``params.structure`` (structured outputs); None: refused
         self.drafters = list(drafters)
-        self.policy = policy
+        self.policy = as_policy(policy)  # engine/policy.py: what the engine may ask of it
         self.num_draft_tokens = num_draft_tokens
         # cache drafters (``adaptive_length``) size their own drafts by their match, up to 64 tokens as
         # in SuffixDecoding; a model drafter's draft costs per token, so it keeps the smaller budget
@@ -170,11 +170,8 @@ class Engine:
         # under a cost policy a batch drafts the way that measures fastest at its size: the policy's
         # choices, the cache drafter's drafts alone, or none (costs.SpeculationCheck)
         self.check = None
-        if getattr(policy, "costs", None) is not None:
-            arms = ARMS if getattr(policy, "cache", None) is not None else (POLICY, PLAIN)
-            self.check = SpeculationCheck(arms=arms)
-        self._arm = POLICY  # this step's arm for ``check``
-        self._own_draft_s: dict[str, float] = {}  # this step's drafting time by request (``_drafts``)
+        if self.policy is not None and self.policy.costs is not None:
+            self.check = SpeculationCheck(arms=ARMS if self.policy.cache is not None else (POLICY, PLAIN))
         self.eos = set(eos_token_ids) | set(model.cfg.eos_token_ids)
         self.detokenize = detokenize
         self.slim = slim  # VIA-SD slim-verifier tier (verification/tiered.py); None = two tiers
@@ -396,44 +393,58 @@ class Engine:
             self.max_len - self.model.cache.lengths[r.slot] - 1,
         )
 
-    def _drafts(self, reqs: list[Request]) -> tuple[list[Draft], list[float | None], list[bool]]:
+    def _plan(self, reqs: list[Request]) -> DraftPlan:
         """Each request's draft for this step, from the source its policy chose (with the predicted
-        yield, and whether the batch's draft sizing cut it: ``costs.batch_lengths``).
+        yield, and whether the batch's draft sizing cut it: ``costs.batch_lengths``), cut and
+        continued by its grammar; requests that failed on the way are left out.
 
         A policy returns a drafter (or None), or a :class:`Choice` that may carry a draft it already
         made (a selection policy drafts from the cache to decide) and its predicted yield. Requests
         without a ready draft are drafted in one ``propose`` call per source, so model drafters batch.
-        A request whose policy or drafter raises is failed (``_fail``) and keeps an empty draft; the
-        caller drops finished requests before the forward.
+        A request whose policy, drafter or grammar raises is failed (``_fail``).
         """
+        n = len(reqs)
+        self.decoding_batch = n
+        arm = POLICY if self.check is None else self.check.arm(n)
+        if arm == PLAIN:  # measured: drafts do not pay at this batch size now
+            plan = DraftPlan(reqs, [Draft() for _ in reqs], [None] * n, [False] * n, [0.0] * n, arm)
+        else:
+            plan = self._draft(reqs, arm)
+        for i, r in enumerate(reqs):  # a grammar cuts what it refuses before the forward (engine/grammar.py)
+            if r.processing is not None and not r.finished:
+                try:
+                    plan.drafts[i] = r.processing.prepare(plan.drafts[i], self._grammar_room(r, plan.drafts[i]))
+                except Exception as e:  # noqa: BLE001 - this request's grammar: fail it alone
+                    self._fail(r, e, "matching the draft to the output's grammar")
+        return plan.live()
+
+    def _draft(self, reqs: list[Request], arm: str) -> DraftPlan:
+        """The drafts of ``arm`` (``costs.SpeculationCheck``): the policy's choices, or the cache
+        drafter's own drafts (``CACHE``)."""
         default = self.drafters[0] if self.drafters else None
-        self.decoding_batch = len(reqs)
-        self._arm = POLICY if self.check is None else self.check.arm(len(reqs))
-        if self._arm == PLAIN:  # measured: drafts do not pay at this batch size now
-            return [Draft() for _ in reqs], [None] * len(reqs), [False] * len(reqs)
-        prefetch = [self.policy.cache] if self._arm == CACHE else self.drafters
+        prefetch = [self.policy.cache] if arm == CACHE else self.drafters
         for d in prefetch:  # remote drafters fetch the whole batch's drafts in one call
             try:
                 d.prepare([DraftRequest(r.req_id, r.slot, r.tokens, self.draft_budget(r, d)) for r in reqs])
             except Exception:  # noqa: BLE001 - a prefetch only; propose asks again per request below
                 logger.exception("drafter %s failed to prepare the batch", d.name)
         choices = []
-        own = self._own_draft_s = {}  # each request's own drafting time (its policy call, its share of a propose)
-        for r in reqs:
+        own = [0.0] * len(reqs)  # each request's own drafting time (its policy call, its share of a propose)
+        for i, r in enumerate(reqs):
             t0 = time.perf_counter()
             try:  # the cache arm: the cache drafter's own draft, as it decodes alone
                 choices.append(
                     self.policy.cache_choice(r, self)
-                    if self._arm == CACHE
+                    if arm == CACHE
                     else as_choice(self.policy(r, self) if self.policy else default)
                 )
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, "draft selection")
                 choices.append(Choice(None))
-            own[r.req_id] = time.perf_counter() - t0
+            own[i] = time.perf_counter() - t0
         # Under a cost policy a shared batch's draft lengths are sized together (costs.batch_lengths)
         # before any model drafter runs: a draft is not drafted past its length, nor at all at 0.
-        caps, costs = None, getattr(self.policy, "costs", None)
+        caps, costs = None, self.policy.costs if self.policy is not None else None
         capped = [False] * len(reqs)  # its length was cut (the policy does not learn the drafter from it)
         if costs is not None and len(reqs) > 1 and all(c.gains is not None for c in choices):
             planned = [
@@ -462,7 +473,7 @@ class Engine:
                 shared = max(0.0, spent - sum(alone)) / len(idxs)
                 for i, d, s in zip(idxs, made, alone):
                     choices[i].draft = d
-                    own[reqs[i].req_id] += s + shared
+                    own[i] += s + shared
         drafts: list[Draft] = [Draft() for _ in reqs]
         for i, (r, c) in enumerate(zip(reqs, choices)):
             if c.draft is not None and not r.finished:
@@ -473,7 +484,7 @@ class Engine:
                     # (it fits the slot: the cache part is within the tokens still to come, the model
                     # part within num_draft_tokens, and check_fits left room for both)
                     drafts[i] = Draft.union(c.also, drafts[i])
-        return drafts, [c.predicted for c in choices], capped
+        return DraftPlan(reqs, drafts, [c.predicted for c in choices], capped, own, arm)
 
     def _propose(self, src: Drafter, reqs: list[Request], caps: Sequence[int] | None = None) -> list[Draft | None]:
         """``src.propose`` for the batch (request ``i``'s draft at most ``caps[i]`` tokens); if it
@@ -503,29 +514,42 @@ class Engine:
         return out
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
-        """One decoding step for the running requests: draft, let the slim tier (if any) settle or
-        repair each draft, verify the rest with one target forward, then record and emit."""
+        """One decoding step for the running requests, in call order: plan the drafts, let the slim
+        tier (if any) settle or repair them, verify the rest in one target forward, commit."""
         t0 = time.perf_counter()
-        reqs, drafts, predicted, capped = self._live_drafts(reqs)
-        if not reqs:
+        plan = self._plan(reqs)
+        if not plan.reqs:
             return []
         t1 = time.perf_counter()
-        B = len(reqs)
-        for r in reqs:  # without a lossy tier every layer's K/V is exact up to the cache length
+        for r in plan.reqs:  # without a lossy tier every layer's K/V is exact up to the cache length
             if r.full_len is None or self.slim is None or self.slim.mode == "lossless":
                 r.full_len = self.model.cache.lengths[r.slot]
-        settled: dict[int, list[int]] = {}
-        counts = [(0, 0, 0)] * B  # slim accepted / regenerated / escalated
+        settled: dict[int, list[int]] = {}  # rows the slim tier settled: their tokens
+        counts = [(0, 0, 0)] * len(plan.reqs)  # slim accepted / regenerated / escalated
         if self.slim is not None:
-            settled, drafts, counts = self._slim_pass(reqs, drafts)
-        full = [b for b in range(B) if b not in settled]
-        verified = dict(zip(full, self._verify_full([reqs[b] for b in full], [drafts[b] for b in full])))
+            settled, plan.drafts, counts = self._slim_pass(plan.reqs, plan.drafts)
+        full = [b for b in range(len(plan.reqs)) if b not in settled]
+        verified = self._verify_full([plan.reqs[b] for b in full], [plan.drafts[b] for b in full])
         t2 = time.perf_counter()
+        return self._commit(plan, settled, dict(zip(full, verified)), counts, (t0, t1, t2))
+
+    def _commit(
+        self,
+        plan: DraftPlan,
+        settled: dict[int, list[int]],
+        verified: dict[int, tuple[list[int], int] | None],
+        counts: list[tuple[int, int, int]],
+        times: tuple[float, float, float],
+    ) -> list[StepOutput]:
+        """Record each row's step (``StepRecord``), emit its tokens, and account the step: its arm's
+        rate (``costs.SpeculationCheck``), the forward's cost (``costs.StepCosts``), decode time."""
+        t0, t1, t2 = times
+        reqs, drafts, B = plan.reqs, plan.drafts, len(plan.reqs)
         draft_s, verify_s = t1 - t0, t2 - t1
         context = len(reqs[0].prompt) + len(reqs[0].output)  # a lone row's, for costs.observe
         # each row's drafting time: the step's, split as the rows' own drafting split it (a request
         # that ran the model drafter paid for it; its neighbours that verified a cache draft did not)
-        own = [self._own_draft_s.get(r.req_id, 0.0) for r in reqs] if self._arm != PLAIN else [0.0] * B
+        own = plan.own_s
         shares = [x / sum(own) for x in own] if sum(own) > 0 else [1.0 / B] * B
         if self.policy is not None:  # the policy learns from these: every TP rank must see the same
             draft_s, verify_s, *shares = rank0_values(self.model, [draft_s, verify_s, *shares])
@@ -551,9 +575,9 @@ class Engine:
                     accepted,
                     draft_s * shares[b],
                     verify_s / B,
-                    predicted[b],
-                    capped=capped[b],
-                    arm=self._arm if self.check is not None and B > 1 else None,
+                    plan.predicted[b],
+                    capped=plan.capped[b],
+                    arm=plan.arm if self.check is not None and B > 1 else None,
                     slim_accepted=counts[b][0],
                     slim_regenerated=counts[b][1],
                     slim_escalated=counts[b][2],
@@ -567,7 +591,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - a drafter's accept: fail this request alone
                 self._fail(req, e, "emitting tokens")
         if self.check is not None:
-            self.check.record(B, self._arm, produced, draft_s + verify_s)
+            self.check.record(B, plan.arm, produced, draft_s + verify_s)
             if self.slim is None:  # one target forward over every row: what it costs here (costs.StepCosts)
                 self.policy.costs.observe(B, B + sum(map(len, drafts)), verify_s, context)
         dt = time.perf_counter() - t0
@@ -717,23 +741,6 @@ class Engine:
                 self._fail(req, e, "verification")
                 results.append(None)
         return results
-
-    def _live_drafts(self, reqs: list[Request]) -> tuple[list[Request], list[Draft], list[float | None], list[bool]]:
-        """``_drafts`` for the batch, less the requests that failed while drafting."""
-        drafts, predicted, capped = self._drafts(reqs)
-        for i, r in enumerate(reqs):  # a grammar cuts what it refuses before the forward (engine/grammar.py)
-            if r.processing is not None and not r.finished:
-                try:
-                    drafts[i] = r.processing.prepare(drafts[i], self._grammar_room(r, drafts[i]))
-                except Exception as e:  # noqa: BLE001 - this request's grammar: fail it alone
-                    self._fail(r, e, "matching the draft to the output's grammar")
-        live = [i for i, r in enumerate(reqs) if not r.finished]
-        return (
-            [reqs[i] for i in live],
-            [drafts[i] for i in live],
-            [predicted[i] for i in live],
-            [capped[i] for i in live],
-        )
 
     @staticmethod
     def _verify(req: Request, d: Draft, logits: torch.Tensor, walk, best) -> tuple[list[int], int]:

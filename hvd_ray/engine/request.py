@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .text import StopScanner
-
-if TYPE_CHECKING:
-    from .processing import Processing
 
 MIN_TEMPERATURE = 1e-5  # a smaller temperature is greedy decoding (as in vLLM)
 MAX_TOP_LOGPROBS = 20  # as in OpenAI's API
@@ -166,7 +163,8 @@ class Request:
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     stop_scan: StopScanner | None = field(default=None, repr=False)  # the engine's stop-string search
-    processing: Processing | None = field(default=None, repr=False)  # penalties, bias, grammar (params.processed)
+    # penalties, bias, grammar (``params.processed``): an ``engine.processing.Processing``, which imports this module
+    processing: Any = field(default=None, repr=False)
     step_logprobs: list | None = field(default=None, repr=False)  # this step's emitted tokens' (params.logprobs)
 
     @property

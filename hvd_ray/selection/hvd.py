@@ -14,8 +14,9 @@ from pathlib import Path
 from ..drafters import make_drafter
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
 from ..engine.costs import VERIFY_COST, measure_step_costs
+from .cost_policy import CostPolicy
 from .features import VocabFlags
-from .policy import AlwaysCache, AlwaysModel, CostPolicy, Policy, ScoreRule, TauPolicy
+from .policy import AlwaysCache, AlwaysModel, Policy, ScoreRule, TauPolicy
 from .predictor import WEIGHTS_FILE, YieldPredictor
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

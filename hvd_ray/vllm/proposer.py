@@ -50,9 +50,10 @@ from ..drafters.base import Draft
 from ..drafters.suffix import SuffixConfig, SuffixDrafter
 from ..engine.costs import VERIFY_COST
 from ..engine.request import StepRecord
+from ..selection.cost_policy import CostPolicy
 from ..selection.features import VocabFlags, features
 from ..selection.hvd import EAGLE3_TOKEN_COST, load_predictor, suffix_config
-from ..selection.policy import CACHE, MODEL, NONE, CostPolicy, StepView, TauPolicy, nominal, unextended
+from ..selection.policy import CACHE, MODEL, NONE, StepView, TauPolicy, nominal, unextended
 
 # The draft length φ_t describes: the engine's default model-drafter budget, the one trace replay
 # labelled the predictor's training rows at.
