@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trials", type=int, default=2000, help="DIMR trial cap (--minutes usually ends it first)")
     ap.add_argument("--minutes", type=float, default=20.0, help="DIMR wall-clock budget (screen + search)")
     ap.add_argument("--parallel", type=int, default=2, help="concurrent trials (one actor each)")
+    ap.add_argument(
+        "--address", default=None, help="Ray cluster to run the trials on (default: $RAY_ADDRESS, else a local Ray)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per trial actor and in the driver")
     ap.add_argument(
         "--startup",
@@ -226,7 +229,11 @@ def main(argv=None) -> None:
 
     out = Path(a.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ray.init(address="local", num_cpus=a.parallel * a.threads, include_dashboard=False, log_to_driver=False)
+    address = a.address or os.environ.get("RAY_ADDRESS")
+    if address:  # a cluster: trials go wherever the scheduler finds a CPU (each node needs the model folder)
+        ray.init(address=address, log_to_driver=False)
+    else:  # "local": always a fresh instance, never a cluster joined by accident
+        ray.init(address="local", num_cpus=a.parallel * a.threads, include_dashboard=False, log_to_driver=False)
     screen, screen_s, seeds = {}, 0.0, []
     try:
         log(f"DIMR: {a.parallel} parallel trials, up to {a.trials} trials / {a.minutes} min, objective {a.objective}")
@@ -255,7 +262,8 @@ def main(argv=None) -> None:
         ray.shutdown()
     dimr_s = screen_s + res.wall_s
     log(
-        f"DIMR done: {len(screen)} screen + {len(res.trials)} search trials in {dimr_s:.0f} s; "
+        f"DIMR done: {len(screen)} screen + {len(res.trials)} search trials on "
+        f"{len({t.get('node') for t in res.trials})} Ray node(s) in {dimr_s:.0f} s; "
         f"best {a.objective}={res.metrics['objective']:.4f} mask {res.mask.spec()}"
     )
 

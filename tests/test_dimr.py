@@ -244,3 +244,35 @@ def test_tiny_tune_search(tiny_llama, tmp_path):
     assert res.metrics["objective"] == min(t["objective"] for t in res.trials)
     # the decoded best mask is the one that was scored
     assert res.mask.spec() == res.metrics["spec"]
+
+
+def test_the_search_runs_its_trials_on_a_multi_node_cluster(tiny_llama, tmp_path):
+    """On a simulated Ray cluster (``ray.cluster_utils.Cluster``: each extra raylet on this host is
+    its own node to the scheduler) whose head offers no CPU, the search joined from the head runs
+    every trial on the worker nodes and ends as on one node."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    problem = SearchProblem(
+        model=str(tiny_llama),
+        dtype="float32",
+        device="cpu",
+        seqs=_seqs(4),
+        costs=SubLayerCosts.uniform(4, attn=1.0, mlp=2.0),
+        budget=0.6,
+        objective="r",
+        width=8,
+        topk=16,
+    )
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    workers = {cluster.add_node(num_cpus=1).node_id for _ in range(2)}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 3
+        res = run_search(problem, trials=6, parallel=2, startup=4, storage=str(tmp_path), verbose=0)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert len(res.trials) == 6 and problem.costs.kept_fraction(res.mask) <= 0.6 + 1e-9
+    assert {t["node"] for t in res.trials} <= workers  # none on the head, where the driver runs

@@ -397,6 +397,7 @@ def evaluator_for(problem: SearchProblem) -> SlimEvaluator:
 
 
 def _trial_class():
+    import ray
     from ray import tune
 
     class SlimTrial(tune.Trainable):
@@ -424,6 +425,7 @@ def _trial_class():
                 "spec": mask.spec(),
                 "n_skip": len(mask.skip),
                 "eval_s": time.perf_counter() - t0,
+                "node": ray.get_runtime_context().get_node_id(),  # which Ray node scored it (clusters)
                 "done": True,
             }
 
@@ -677,7 +679,7 @@ def run_search(
             {
                 **{
                     k: res.metrics[k]
-                    for k in ("objective", "kl", "r", "top1", "run", "kept", "spec", "n_skip", "eval_s")
+                    for k in ("objective", "kl", "r", "top1", "run", "kept", "spec", "n_skip", "eval_s", "node")
                 },
                 "config": dict(res.config),
             }
