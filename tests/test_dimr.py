@@ -208,11 +208,10 @@ def test_greedy_meets_budget(tiny):
     assert costs.kept_fraction(mask) <= 0.5 and (0, "attn") not in mask.skip and info["evals"] > 0
 
 
-def test_tiny_tune_search(tiny_llama, tmp_path):
-    import ray
-
-    problem = SearchProblem(
-        model=str(tiny_llama),
+def _tiny_problem(folder) -> SearchProblem:
+    """A search over the tiny model's 4 layers at a 0.6 budget (uniform sub-layer costs)."""
+    return SearchProblem(
+        model=str(folder),
         dtype="float32",
         device="cpu",
         seqs=_seqs(4),
@@ -222,6 +221,12 @@ def test_tiny_tune_search(tiny_llama, tmp_path):
         width=8,
         topk=16,
     )
+
+
+def test_tiny_tune_search(tiny_llama, tmp_path):
+    import ray
+
+    problem = _tiny_problem(tiny_llama)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         seeds = screen_seeds({param_name(c): float(c[0]) for c in SlimMask.candidates(4)}, problem.costs, 2)
@@ -253,17 +258,7 @@ def test_the_search_runs_its_trials_on_a_multi_node_cluster(tiny_llama, tmp_path
     import ray
     from ray.cluster_utils import Cluster
 
-    problem = SearchProblem(
-        model=str(tiny_llama),
-        dtype="float32",
-        device="cpu",
-        seqs=_seqs(4),
-        costs=SubLayerCosts.uniform(4, attn=1.0, mlp=2.0),
-        budget=0.6,
-        objective="r",
-        width=8,
-        topk=16,
-    )
+    problem = _tiny_problem(tiny_llama)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     workers = {cluster.add_node(num_cpus=1).node_id for _ in range(2)}
     cluster.wait_for_nodes()
