@@ -190,6 +190,37 @@ def test_the_engine_feeds_its_lone_verify_forwards_to_the_width_fit(tiny_llama):
     assert policy.costs.fit[0] > 0
 
 
+def test_a_cost_policy_with_a_cache_gets_a_cache_arm_by_default(tiny_llama):
+    """A ``DraftPolicy`` with ``costs`` and a ``cache`` but no ``cache_choice`` of its own: the engine
+    measures the cache arm too, whose steps the cache drafter drafts as it would alone, and a batch's
+    output stays plain greedy's."""
+    from hvd_ray.drafters.layerskip import LayerSkipDrafter
+    from hvd_ray.drafters.suffix import SuffixDrafter
+    from hvd_ray.engine import Engine, SamplingParams
+    from hvd_ray.engine.costs import ARMS, CACHE
+    from hvd_ray.engine.policy import DraftPolicy
+
+    model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
+    suffix, skip = SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn")], min_prob=0.0)
+
+    class ModelFirst(DraftPolicy):  # always the model drafter; the cache arm is the engine's to try
+        costs = StepCosts({1: 1.0, 8: 1.1, 16: 1.3})
+        cache = suffix
+
+        def __call__(self, req, engine):
+            return skip
+
+    prompts = [[5, 17, 33, 2, 5, 17, 33, 2, 5, 17], [11, 12, 13, 11, 12, 13, 11, 12]] * 2
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = [r.output for r in Engine(model, max_batch=4, max_len=128).generate(prompts, params)]
+    eng = Engine(model, drafters=[suffix, skip], policy=ModelFirst(), max_batch=4, max_len=128)
+    assert eng.check.names == ARMS
+    reqs = eng.generate(prompts, params)
+    assert [r.output for r in reqs] == plain
+    cache_steps = [s for r in reqs for s in r.stats.steps if s.arm == CACHE]
+    assert cache_steps and all(s.source == "none" or s.source.startswith("suffix") for s in cache_steps)
+
+
 def test_batch_lengths_weigh_each_row_s_own_tokens_against_its_gain():
     costs = StepCosts({1: 1.0, 8: 1.2, 16: 2.0, 64: 6.0})
     # eight rows, one with a 16-token draft worth 1.5 tokens: its first token pays (9 tokens at

@@ -10,6 +10,7 @@ is a policy too (:func:`as_policy`).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,7 @@ def as_choice(x: Choice | Drafter | None) -> Choice:
     return x if isinstance(x, Choice) else Choice(x)
 
 
-class DraftPolicy:
+class DraftPolicy(abc.ABC):
     """The engine's view of a policy. ``costs``: the step costs it prices drafts with (None: it does
     not, and the engine neither sizes drafts together nor measures arms); ``cache``: its cache drafter
     (None: no cache arm)."""
@@ -51,12 +52,14 @@ class DraftPolicy:
     costs: StepCosts | None = None
     cache: Drafter | None = None
 
+    @abc.abstractmethod
     def __call__(self, req: Request, engine: Engine) -> Choice | Drafter | None:
-        raise NotImplementedError
+        """The source that drafts for ``req`` this step (or a :class:`Choice` with more)."""
 
     def cache_choice(self, req: Request, engine: Engine) -> Choice:
-        """The cache drafter's own draft, as it decodes alone (the cache arm); needs ``cache``."""
-        raise NotImplementedError(f"{type(self).__name__} has no cache arm")
+        """The cache arm: the cache drafter drafts as it would alone (the engine asks it within its
+        budget). The engine asks only a policy with a ``cache``."""
+        return Choice(self.cache)
 
 
 class FunctionPolicy(DraftPolicy):
