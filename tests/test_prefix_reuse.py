@@ -69,7 +69,7 @@ def test_agent_turns_and_retries_reuse_their_slot_and_decode_the_same(drafter, t
 def test_engines_sharing_a_model_never_reuse_what_another_overwrote(target, prompts):
     """The record of whose K/V a slot holds lives in the model's cache, so an engine on the same
     model that overwrote the slot leaves a true record (its own tokens) behind."""
-    from hvd_ray.engine.engine import MIN_REUSE, common_prefix
+    from hvd_ray.engine.slots import MIN_REUSE, common_prefix
 
     model, tok = target
     params = SamplingParams(max_tokens=MAX_NEW)
@@ -137,7 +137,7 @@ def test_concurrent_requests_copy_a_shared_prompt_prefix_from_a_running_one(draf
     with the same system prompt, or arriving while one runs, copies those K/V from it instead of
     recomputing them (no finished request's slot holds them yet); outputs equal the same engine's
     without reuse."""
-    from hvd_ray.engine.engine import MIN_REUSE, common_prefix
+    from hvd_ray.engine.slots import MIN_REUSE, common_prefix
 
     model, tok = target
     params = SamplingParams(max_tokens=MAX_NEW)

@@ -396,7 +396,7 @@ def test_engine_device_walks_equal_greedy_walk():
     """The engine's batched verify (``hvd_ray.kernels.verify_tree`` on CUDA; its torch reference here) returns
     what ``greedy_walk`` returns for every request of a padded batch of chains and trees."""
     from hvd_ray.drafters.base import Draft
-    from hvd_ray.engine.engine import Engine
+    from hvd_ray.engine.verify import device_walks
     from hvd_ray.verification import greedy_walk
 
     g = torch.Generator().manual_seed(11)
@@ -410,7 +410,7 @@ def test_engine_device_walks_equal_greedy_walk():
         Draft.chain(best[3][:N]),  # all accepted
         Draft([1, 2, 3, 4], [-1, 0, 0, 1], [1.0] * 4),
     ]
-    got = Engine.device_walks(logits, drafts)
+    got = device_walks(logits, drafts)
     want = [greedy_walk(best[b], d.token_ids, d.parents) for b, d in enumerate(drafts)]
     assert got == want
     assert got[3] == (list(range(N)), best[3][N]) and got[1] == ([], best[1][0])

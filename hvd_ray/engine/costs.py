@@ -2,9 +2,9 @@
 
 The cost policy trades a draft's expected yield against the time of verifying it, and that time is
 a property of the hardware, not of the model: on a GPU (and on a CPU with bf16 instructions) a
-forward over 8 tokens costs little more than one over 1 token; on an AVX2-only CPU in bf16 it costs
-3.7x, and in fp32 1.8x (a lone token takes a cheaper matrix-vector path). A static table is right on
-one machine and wrong on the next, so the engine times its own forwards.
+forward over 8 tokens costs little more than one over 1 token; on an AVX2-only CPU it costs several
+times as much (a lone token takes a cheaper matrix-vector path; docs/results-engine.md). A static
+table is right on one machine and wrong on the next, so the engine times its own forwards.
 
 ``StepCosts(n)`` is the time of one forward over ``n`` new tokens in total (all rows of the batch
 together) relative to a 1-token forward, piecewise-linear between the measured widths and
@@ -234,22 +234,18 @@ class SpeculationCheck:
     fed rank 0's agree.
 
     An arm's rate is its tokens over its seconds, both sums discounted by ``adapt`` per step at that
-    batch size (not per step of the arm), so every arm follows load and prompts at the same pace: a
-    per-sample average let an arm retried every 16th step keep ~40 % of its weight on its first
-    three steps, taken while the global tree was still empty, long after (rated by those cold
-    steps, the cache arm looked about half as fast as it was, and the policy's arm was kept). One
-    step counts for at most ``outlier`` times the arm's average step time: a drafted step that also
-    runs EAGLE-3 over a new request's whole prompt (its one-off catch-up) can take seven plain
-    steps' time, and taken whole that one step dragged the drafted arm below the plain one, where
-    it then stayed, re-measured only every ``explore_drafts``-th step. (An average of the steps' own
-    rates, tried first, is biased toward the arm whose steps vary most: a policy step now and then
-    accepting a 16-token draft rated the policy's arm 20 % above the cache's where both decoded the
-    same tokens per second.) Plain is preferred only when it measures ``margin`` faster than the
-    best drafted arm: at batch 8 here a drafted arm's rate moves by about that from one step to the
-    next, and a close call costs little either way. The second drafted arm must measure ``switch``
-    faster than the first (the cache's: under load on the CPUs measured it decoded faster than the
-    policy's choices, and a policy step taken on noise cost more than its share;
-    docs/results-http.md)."""
+    batch size (not per step of the arm), so every arm follows load and prompts at the same pace (a
+    per-sample average lets an arm retried rarely keep much of its weight on its first steps, taken
+    while the global tree was still empty, long after). One step counts for at most ``outlier``
+    times the arm's average step time: a drafted step that also runs EAGLE-3 over a new request's
+    whole prompt (its one-off catch-up) can take several plain steps' time, and taken whole it would
+    hold the drafted arm below the plain one, re-measured only every ``explore_drafts``-th step. (An
+    average of the steps' own rates is biased toward the arm whose steps vary most.) Plain is
+    preferred only when it measures ``margin`` faster than the best drafted arm (a drafted arm's
+    rate moves by about that from one step to the next, and a close call costs little either way).
+    The second drafted arm must measure ``switch`` faster than the first (the cache's: under load
+    it decoded faster than the policy's choices, and a policy step taken on noise costs more than
+    its share: docs/results-http.md)."""
 
     def __init__(
         self,

@@ -10,18 +10,17 @@ Failure isolation: an exception in one request's own work (a drafter's ``begin``
 "error"``, its slot freed) and the batch goes on. Only the target forward, which every running
 request shares, propagates: after it fails the cache's state is unknown, so the caller must stop.
 
-Prefix reuse: a finished request's K/V stays in its slot (``KVCache.tokens`` records whose), and a
-new request whose prompt starts with those tokens prefills only the rest, in that slot or in a copy
-of the shared rows (``_slot_for``). An
-agent loop re-sends the conversation so far each turn and a retry re-sends the same prompt; both
-would otherwise pay the whole prefill again (vLLM's prefix caching does the same, by block).
+Prefix reuse (``slots.py``): a new prompt that continues what a free slot holds, or shares a prefix
+with a running request's prompt, prefills only the rest.
+
+One concept, the engine's loop (admission, prefill, the decode step and its accounting); row
+verification lives in ``verify.py``, slot choice in ``slots.py``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,8 +31,7 @@ import torch
 from ..drafters.base import Draft, Drafter, DraftRequest
 from ..model.tp import rank0_values
 from ..model.transformer import Transformer
-from ..verification import greedy_walk, rejection_sample_chain, rejection_sample_tree, target_probs, tree_attention_mask
-from ..verification.sampling import gumbel_scores, sample
+from ..verification import tree_attention_mask
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
 from .costs import ARMS, CACHE, PLAIN, POLICY, SpeculationCheck, batch_lengths
@@ -41,6 +39,8 @@ from .grammar import Grammars
 from .policy import Choice, DraftPolicy, as_choice, as_policy
 from .processing import Processing, token_logprobs
 from .request import Request, SamplingParams, StepRecord
+from .slots import MIN_REUSE, check_fits, choose_slot, common_prefix
+from .verify import device_walks, first_tokens, verify_row
 
 logger = logging.getLogger(__name__)
 
@@ -79,54 +79,6 @@ class DraftPlan:
         return DraftPlan(
             pick(self.reqs), pick(self.drafts), pick(self.predicted), pick(self.capped), pick(self.own_s), self.arm
         )
-
-
-# Fewer shared tokens than this (e.g. only a chat template's system prompt) are prefilled again: the
-# rest of a prompt after a prefix attends through a mask, a little slower per token than a fresh
-# causal prefill (300 tokens after a 30-token prefix: 1.06x the whole prompt's fresh prefill here).
-MIN_REUSE = 32
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
-    n = min(len(a), len(b), limit)
-    if n <= 0 or a[0] != b[0]:
-        return 0
-    if a[:n] == b[:n]:  # one C-level comparison: the usual case is a whole earlier turn
-        return n
-    lo, hi = 1, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def check_fits(
-    prompt: Sequence[int], params: SamplingParams, num_draft_tokens: int, max_len: int, vocab_size: int | None = None
-) -> list[int]:
-    """The prompt as a list of ints; rejects one that is not token ids (in ``[0, vocab_size)``), is
-    empty, or could outgrow its KV slot (prompt + output + one draft). A bad id would otherwise fail
-    the batch's shared forward, and with it every request in the batch."""
-    try:
-        prompt = [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d integer tensors
-    except TypeError:
-        raise ValueError(
-            "the prompt must be a sequence of token ids (ints), e.g. a tokenizer's "
-            "input_ids, not a tokenizer's output or text"
-        ) from None
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-    if len(prompt) + params.max_tokens + num_draft_tokens + 1 > max_len:
-        raise ValueError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-            f"context this engine was set up for ({max_len} tokens)"
-        )
-    return prompt
 
 
 class Engine:
@@ -230,7 +182,7 @@ class Engine:
         admitted = []
         while self.waiting and self.free_slots and len(self.running) + len(admitted) < self.max_batch:
             req = self.waiting.popleft()
-            req.slot, reused = self._slot_for(req.prompt)
+            req.slot, reused = choose_slot(self.model.cache, self.free_slots, req.prompt, self.prefix_reuse)
             req.stats.cached_tokens = reused
             try:
                 for d in self.drafters:
@@ -251,32 +203,6 @@ class Engine:
             self.running += admitted
         self._release(outputs)
         return outputs
-
-    def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
-        """A free slot for ``prompt``, holding the K/V of its first ``n`` tokens: (slot, n). The
-        free slot whose recorded tokens share the longest prefix with it (at least ``MIN_REUSE``)
-        is taken when the prompt continues its whole record (an agent's next turn, a retry);
-        when they part earlier, the shared rows are copied into the longest-free slot instead, so
-        the record stays for whoever continues it. Else the longest-free slot, empty. At least the
-        last prompt token is computed again (its logits give the first output token)."""
-        cache = self.model.cache
-        src, reused = None, MIN_REUSE - 1
-        if self.prefix_reuse:
-            for slot in self.free_slots:
-                n = common_prefix(cache.tokens[slot], prompt, min(cache.lengths[slot], len(prompt) - 1))
-                if n > reused:
-                    src, reused = slot, n
-        if src is not None and (reused >= len(cache.tokens[src]) - 1 or len(self.free_slots) == 1):
-            self.free_slots.remove(src)
-            cache.truncate(src, reused)
-            return src, reused
-        dst = next(s for s in self.free_slots if s != src)
-        self.free_slots.remove(dst)
-        if src is None:
-            cache.truncate(dst, 0)
-            return dst, 0
-        cache.copy_prefix(src, dst, reused)
-        return dst, reused
 
     def _release(self, outputs: list[StepOutput]) -> None:
         for req in [r for r in self.running if r.finished]:
@@ -320,7 +246,7 @@ class Engine:
             c = self.model.cache.lengths[req.slot]  # K/V already there (prefix reuse)
             out = self.model(torch.tensor([req.prompt[c:]], device=dev), [req.slot], taps=self.taps, last_only=True)
             try:
-                first = self._first_tokens([req], out.logits[:, -1])[0]
+                first = first_tokens([req], out.logits[:, -1])[0]
                 if req.params.logprobs is not None:
                     req.step_logprobs = token_logprobs(out.logits[:, -1], [0], [first], req.params.logprobs)
                 req.stats.prefill_s = time.perf_counter() - t0
@@ -353,24 +279,6 @@ class Engine:
         req.stats.cached_tokens = best
         for d in self.drafters:
             d.reuse_prefix(req.req_id, best)
-
-    def _first_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        if all(r.params.greedy and r.processing is None for r in reqs):
-            return logits.argmax(-1).tolist()
-        toks = []
-        for b, r in enumerate(reqs):
-            p, row = r.params, logits[b : b + 1]
-            if r.processing is not None:
-                row = r.processing.apply(row, r.processing.prepare(Draft()))
-            if p.greedy:
-                toks.append(int(row[0].argmax()))
-                continue
-            probs = target_probs(row[0], p.temperature, p.top_k, p.top_p, p.min_p)
-            if p.seed is not None:  # position 0's Gumbel draw (``_verify``)
-                toks.append(int(gumbel_scores(probs[None], p.seed, [0]).argmax()))
-            else:
-                toks.append(int(sample(probs, r.generator)))
-        return toks
 
     def draft_budget(self, r: Request, drafter: Drafter | None = None) -> int:
         """How many draft tokens request ``r`` may verify this step from ``drafter`` (its drafts are
@@ -706,7 +614,7 @@ class Engine:
             and all(r.params.greedy and r.processing is None for r in reqs)
             and not any(lags)
         ):
-            walks = self.device_walks(logits, drafts)  # one Triton pass, no full argmax
+            walks = device_walks(logits, drafts)  # one Triton pass, no full argmax
         elif any(r.params.greedy for r in reqs):
             flat = logits.argmax(-1).tolist()  # one sync
             best = flat if out.offsets is None else [flat[a:b] for a, b in itertools.pairwise(out.offsets)]
@@ -714,7 +622,7 @@ class Engine:
         for b, (req, lag, d) in enumerate(zip(reqs, lags, drafts)):
             g = len(lag)
             try:
-                path, nxt = self._verify(
+                path, nxt = verify_row(
                     req,
                     d,
                     out.row(b)[g : widths[b]],
@@ -741,45 +649,6 @@ class Engine:
                 self._fail(req, e, "verification")
                 results.append(None)
         return results
-
-    @staticmethod
-    def _verify(req: Request, d: Draft, logits: torch.Tensor, walk, best) -> tuple[list[int], int]:
-        """The accepted draft path and the next token of one request from its rows of the forward
-        (``walk``: its device greedy walk, ``best``: its argmax row, when the batch computed them)."""
-        p = req.params
-        if req.processing is not None:  # each node's own processed distribution (engine/processing.py)
-            logits = req.processing.apply(logits, d)
-            if p.greedy:
-                return greedy_walk(logits.argmax(-1).tolist(), d.token_ids, d.parents)
-        elif p.greedy:
-            return walk if walk is not None else greedy_walk(best, d.token_ids, d.parents)
-        probs = target_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
-        if p.seed is not None:  # reproducible: each output position's draw is keyed by (seed, position)
-            at = [len(req.output) + depth for depth in tree_depths(d.parents)]
-            return greedy_walk(gumbel_scores(probs, p.seed, at).argmax(-1).tolist(), d.token_ids, d.parents)
-        if probs.is_cuda and d.is_chain:  # kernels/rejection.py: one pass, one host sync
-            n_acc, nxt = rejection_sample_chain(probs, d.token_ids, None, req.generator)
-            return list(range(n_acc)), nxt
-        return rejection_sample_tree(probs, d.token_ids, d.parents, req.generator)
-
-    @staticmethod
-    def device_walks(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], int]]:
-        """Greedy verification of the whole batch on the logits' device with ``hvd_ray.kernels.verify_tree``
-        (Triton on CUDA, its torch reference elsewhere): ``(accepted path, bonus token)`` per draft,
-        what ``greedy_walk`` returns, without materialising the argmax of every row."""
-        from ..kernels import verify_tree
-
-        B, N = logits.shape[0], logits.shape[1] - 1
-        toks = torch.zeros(B, N, dtype=torch.long)
-        pars = torch.full((B, N), -1, dtype=torch.long)
-        for b, d in enumerate(drafts):
-            toks[b, : len(d)] = torch.tensor(d.token_ids, dtype=torch.long)
-            pars[b, : len(d)] = torch.tensor(d.parents, dtype=torch.long)
-        path, plen, bonus = verify_tree(
-            logits, toks.to(logits.device), pars.to(logits.device), [len(d) for d in drafts]
-        )
-        path, plen, bonus = path.tolist(), plen.tolist(), bonus.tolist()
-        return [(path[b][: plen[b]], bonus[b]) for b in range(B)]
 
     def _observe(self, req: Request, next_tokens: list[int], taps: list[torch.Tensor], row: int, pos) -> None:
         """Hand each tap-reading drafter the target's hidden states at the committed positions."""

@@ -2,7 +2,7 @@
 xgrammar structural tag (tool calls), under speculative decoding exactly as without it.
 
 xgrammar (vLLM's default structured-output engine) compiles the structure against the tokenizer's
-vocabulary once, and its matcher gives the allowed next tokens as a bitmask (~0.1 ms on CPU) and
+vocabulary once, and its matcher gives the allowed next tokens as a cheap bitmask and
 rolls back accepted tokens: what verifying a draft tree needs.
 
 Each step, :meth:`Constraint.prune` walks the draft tree with the matcher: a node whose token the

@@ -36,8 +36,9 @@ from typing import Any
 import ray
 
 from ..build import EngineSpec
-from ..engine.engine import Engine, StepOutput, check_fits
+from ..engine.engine import Engine, StepOutput
 from ..engine.request import Request, SamplingParams
+from ..engine.slots import check_fits
 
 logger = logging.getLogger(__name__)
 
