@@ -77,3 +77,27 @@ def test_ray_validation_rejects_broken_variants(breakage):
         cfg["available_node_types"]["worker.gpu"]["min_workers"] = cfg["max_workers"] + 1
     with pytest.raises((jsonschema.ValidationError, ValueError)):
         _prepare_and_validate(cfg)
+
+
+def _replica_options(args: dict) -> dict:
+    """The model replica's Ray actor options in the Serve application ``build_app(args)`` builds."""
+    from hvd_ray.serving.app import build_app
+
+    ingress = build_app(args)._bound_deployment
+    (replica,) = [a._bound_deployment for a in ingress.init_args if hasattr(a, "_bound_deployment")]
+    return replica.ray_actor_options
+
+
+@pytest.mark.parametrize(
+    "args, gpus",
+    [
+        ({"device": "cuda"}, 1),  # the replica holds the model's GPU
+        ({"device": "cuda", "tensor_parallel_size": 2}, None),  # its rank actors hold one each
+        ({"device": "cpu"}, None),
+    ],
+)
+def test_a_gpu_replica_asks_for_the_gpus_it_uses(args, gpus):
+    """On CUDA a replica reserves one GPU, except under tensor parallelism, where each rank actor
+    reserves its own in the replica's placement group (``serving/tensor_parallel.py``): a TP = N
+    replica then fits a node with N GPUs instead of asking for N + 1."""
+    assert _replica_options(args).get("num_gpus") == gpus

@@ -24,7 +24,9 @@ def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application
 
     conf = cfg.model_dump()
     actor = dict(cfg.ray_actor_options)
-    if cfg.device.startswith("cuda") and "num_gpus" not in actor:
+    # on CUDA the replica holds the model's GPU, unless tensor parallelism gives it to the rank actors
+    # (each rank one GPU, all in one placement group): the replica then only drives them
+    if cfg.device.startswith("cuda") and "num_gpus" not in actor and cfg.tensor_parallel_size == 1:
         actor["num_gpus"] = 1
     drain = {"graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s}
     # Bounded queues: the ingress's handle queues at most replica_max_queued() requests for the model
