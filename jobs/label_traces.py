@@ -10,28 +10,23 @@ traces -> ``map_batches(TraceLabeler, ActorPoolStrategy)`` -> ``write_parquet(ou
 The global suffix tree of a trace must hold the outputs of every *earlier* trace (smaller ``seq``),
 so each actor reads every trace's output once, and labels its batches in ``seq`` order, adding the
 earlier outputs it has not seen yet (rebuilding the bounded window when a batch starts before its
-current point). Blocks are contiguous runs of ``seq``: one global-tree build per block at most,
-and blocks label in parallel. See ``hvd_ray/traces/replay.py`` for what
-exactly is replayed. Model-drafter labels run teacher-forced and batched in the same actor (give
-the actors GPUs with ``--num-gpus``; on CPU use fp32 and few threads per actor).
+current point). Blocks are contiguous runs of ``seq``: one global-tree build per block at most, and
+blocks label in parallel. See ``hvd_ray/traces/replay.py`` for what exactly is replayed
+(``hvd_ray/traces/labeler.py`` runs it). Model-drafter labels run teacher-forced and batched in the
+same actor (give the actors GPUs with ``--num-gpus``; on CPU use fp32 and few threads per actor).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from hvd_ray.selection.features import SPEC
-from hvd_ray.traces.labels import LABEL_VERSION, META_FILE
-from hvd_ray.traces.replay import ReplayConfig, TraceLabeler, read_trace_table
+from hvd_ray.traces.labeler import ReplayConfig, label_traces_ray
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,45 +89,16 @@ def replay_config(a: argparse.Namespace) -> ReplayConfig:
 
 
 def run(a: argparse.Namespace) -> dict:
-    import pyarrow.parquet as pq
-    import ray
-
-    traces, out = str(Path(a.traces).resolve()), Path(a.out).resolve()
-    cfg = replay_config(a)
-    if not ray.is_initialized():
-        ray.init(
-            address=a.address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False, include_dashboard=False
-        )
-    t0 = time.time()
-    # Traces are small (token ids): read them here, sort by arrival, and hand Ray Data blocks that
-    # are contiguous runs of ``seq`` (no distributed sort needed for a few MB).
-    table = read_trace_table(traces).sort_by("seq")
-    blocks = [table.slice(i, a.chunk) for i in range(0, table.num_rows, a.chunk)]
-    ds = ray.data.from_arrow(blocks).map_batches(
-        TraceLabeler,
-        fn_constructor_kwargs={"traces_dir": traces, "config": dataclasses.asdict(cfg)},
-        batch_size=None,  # one batch per block: one seq run per call
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=a.actors),
+    return label_traces_ray(
+        a.traces,
+        a.out,
+        replay_config(a),
+        chunk=a.chunk,
+        actors=a.actors,
         num_cpus=a.num_cpus,
-        num_gpus=a.num_gpus or None,
+        num_gpus=a.num_gpus,
+        address=a.address,
     )
-    ds.write_parquet(str(out))
-    elapsed = time.time() - t0
-    table = pq.ParquetDataset(str(out)).read(columns=["seq", "regime"])
-    meta = {
-        "label_version": LABEL_VERSION,
-        "feature_spec": SPEC.to_dict(),
-        "replay": dataclasses.asdict(cfg),
-        "model_depth": cfg.model_depth(),
-        "traces_dir": traces,
-        "rows": table.num_rows,
-        "traces": len(set(table.column("seq").to_pylist())),
-        "rows_by_regime": {r: table.column("regime").to_pylist().count(r) for r in ("cold", "agent", "repeat")},
-        "elapsed_s": round(elapsed, 2),
-    }
-    (out / META_FILE).write_text(json.dumps(meta, indent=1))
-    return meta
 
 
 def main(argv=None) -> None:

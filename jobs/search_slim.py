@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     from hvd_ray.model import load, resolve
-    from hvd_ray.traces.collect import model_revision
+    from hvd_ray.traces.model_info import model_revision
 
     command = "python jobs/search_slim.py " + " ".join(sys.argv[1:] if argv is None else argv)
     folder = resolve(a.model)

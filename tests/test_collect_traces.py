@@ -1,4 +1,4 @@
-"""jobs/collect_traces.py and hvd_ray.traces.collect: revision hash, writer, resume plan, top-k, and
+"""jobs/collect_traces.py and hvd_ray.traces: revision hash, writer, resume plan, top-k, and
 the job end to end on a real local Ray (direct ``python`` and ``ray job submit``)."""
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from hvd_ray.traces import TRACE_SCHEMA, CollectError, TraceWriter, model_revision, read_traces
-from hvd_ray.traces.collect import HvdRayGenerator, VllmGenerator, plan
+from hvd_ray.traces.generators import HvdRayGenerator, VllmGenerator, check_backend
+from hvd_ray.traces.prompts import load_prompts
+from hvd_ray.traces.resume import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "collect_traces.py"
@@ -160,35 +162,39 @@ def test_vllm_backend_fails_clearly_when_missing():
         VllmGenerator("/nonexistent", "bfloat16", "cpu", max_batch=2)
 
 
-def _job_module():
-    sys.path.insert(0, str(ROOT / "jobs"))
-    try:
-        import collect_traces as job
-    finally:
-        sys.path.remove(str(ROOT / "jobs"))
-    return job
-
-
-def test_job_refuses_vllm_backend_without_vllm(tmp_path, capsys):
+def test_job_refuses_vllm_backend_without_vllm(tmp_path):
     try:
         import vllm  # noqa: F401
 
         pytest.skip("vllm is installed here")
     except ImportError:
         pass
-    rc = _job_module().main(["--workload", "code", "--backend", "vllm", "--out", str(tmp_path / "o")])
-    assert rc == 2 and "pip install 'hvd-ray[vllm]'" in capsys.readouterr().err
+    with pytest.raises(CollectError, match="pip install 'hvd-ray\\[vllm\\]'"):
+        check_backend("vllm")
+    check_backend("vllm", vllm_python="/some/python")  # a vLLM interpreter of its own is enough
+    r = subprocess.run(
+        [sys.executable, str(JOB), "--workload", "code", "--backend", "vllm", "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "pip install 'hvd-ray[vllm]'" in r.stderr
     assert not (tmp_path / "o").exists()
 
 
 def test_user_prompt_file_input(tmp_path):
-    job = _job_module()
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"id": f"u{i}", "prompt": f"Say {i}."}) + "\n" for i in range(5)))
-    args = job.parse_args(["--prompts", str(f), "--limit", "3", "--out", str(tmp_path / "o")])
-    assert [p.id for p in job.load_prompts(args)] == ["u0", "u1", "u2"]
-    with pytest.raises(SystemExit):
-        job.parse_args(["--workload", "code", "--prompts", str(f), "--out", "x"])
+    assert [p.id for p in load_prompts(prompts_file=str(f), limit=3)] == ["u0", "u1", "u2"]
+    with pytest.raises(ValueError):
+        load_prompts("code", str(f))
+    r = subprocess.run(
+        [sys.executable, str(JOB), "--workload", "code", "--prompts", str(f), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
 
 
 # --------------------------------------------------------------------------- end to end (Ray)

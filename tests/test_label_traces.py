@@ -1,4 +1,4 @@
-"""Trace replay labels (hvd_ray/traces/replay.py, jobs/label_traces.py) against brute force, on
+"""Trace replay labels (hvd_ray/traces/replay.py, labeler.py) against brute force, on
 traces written from real engine generations of a tiny random Llama (fp32), and online-vs-offline
 equality of the features φ_t."""
 
@@ -8,7 +8,6 @@ import atexit
 import functools
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,17 +27,11 @@ from hvd_ray.model.eagle3_head import Eagle3Head
 from hvd_ray.model.transformer import Transformer
 from hvd_ray.selection.features import VocabFlags
 from hvd_ray.selection.policy import ScoreRule
+from hvd_ray.traces.labeler import label_traces_local, label_traces_ray
 from hvd_ray.traces.labels import LABEL_SCHEMA
-from hvd_ray.traces.replay import (
-    GlobalReplay,
-    budgets_for,
-    label_traces_local,
-    longest_match,
-    model_drafter_labels,
-    read_trace_table,
-    replay_trace,
-    traces_from_table,
-)
+from hvd_ray.traces.model_labels import model_drafter_labels
+from hvd_ray.traces.records import read_trace_table, traces_from_table
+from hvd_ray.traces.replay import GlobalReplay, budgets_for, longest_match, replay_trace
 from hvd_ray.traces.schema import TRACE_SCHEMA
 
 MAX_NEW = 40
@@ -360,48 +353,15 @@ def test_features_online_equal_offline(setup):
 
 
 def test_label_traces_job_with_ray(setup, tmp_path, monkeypatch):
-    """jobs/label_traces.py through Ray Data (local Ray, 2 CPUs, fractional actors) == in-process."""
+    """The Ray Data labelling of jobs/label_traces.py (local Ray, 2 CPUs, fractional actors) == in-process."""
     import ray
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
-    import label_traces
-
     s = setup
     out = tmp_path / "labels"
-    args = label_traces.parse_args(
-        [
-            "--traces",
-            str(s["traces"]),
-            "--out",
-            str(out),
-            "--model",
-            str(s["folder"]),
-            "--tokenizer",
-            s["tokenizer"],
-            "--skip",
-            SKIP,
-            "--depth",
-            str(DEPTH),
-            "--min-prob",
-            str(MIN_PROB),
-            "--max-draft",
-            "16",
-            "--batch-slots",
-            "4",
-            "--chunk",
-            "2",
-            "--actors",
-            "2",
-            "--num-cpus",
-            "0.5",
-            "--threads",
-            "1",
-        ]
-    )
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        meta = label_traces.run(args)
+        meta = label_traces_ray(s["traces"], out, replay_config(s), chunk=2, actors=2, num_cpus=0.5)
     finally:
         ray.shutdown()
     assert meta["traces"] == 6 and json.loads((out / "_labels_meta.json").read_text())["rows"] == meta["rows"]

@@ -24,13 +24,15 @@ LAYERS = {
     "selection": 5,
     "traces": 6,
     "dimr": 6,
-    "training": 6,  # offline training of draft heads over the model (EAGLE-3: features, TTT loss)
+    "training": 6,  # offline training: the EAGLE-3 head (features, TTT loss), the yield predictor (on labels)
+    # HVD inside vLLM (over drafters, engine, selection; nothing of layer 7); from outside only vllm/generate.py is
+    # imported (vLLM as a plain batch generator: the traces' vLLM backend, the bench peers' env; test_vllm.py)
+    "vllm": 6,
     "build": 7,  # the one builder of an Engine with drafters / a policy / a slim tier (selection, dimr, traces)
     "serving": 7,
     "cli": 7,
     "__main__": 7,
     "hvd_ray": 7,
-    "vllm": 7,  # HVD's cache side as a vLLM proposer (drafters + selection); nothing else imports it (test_vllm.py)
     "bench": 8,  # measurement: builds methods' engines (build) and serves the app (serving) to time them
     "kernels.check_gpu": 7,  # a script: it checks the kernels against the engine's functions
 }

@@ -1,10 +1,9 @@
-"""Selection: features φ_t, the pickle-free yield predictor, jobs/train_predictor.py, and the
-policies (decisions, offline simulation, and inside the real engine)."""
+"""Selection: features φ_t, the pickle-free yield predictor and its training (``training.predictor``,
+jobs/train_predictor.py), and the policies (decisions, offline simulation, and inside the real engine)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +44,10 @@ from hvd_ray.selection.policy import (
     verify_cost,
 )
 from hvd_ray.selection.predictor import YieldPredictor
+from hvd_ray.traces.labeler import label_traces_local
 from hvd_ray.traces.labels import META_FILE
-from hvd_ray.traces.replay import label_traces_local
 from hvd_ray.traces.simulate import simulate, simulate_trace, trace_labels_from_table
+from hvd_ray.training.predictor import TrainConfig, load_labels, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,29 +251,15 @@ def write_labels(tmp_path: Path) -> Path:
 
 
 def test_train_predictor_job(tmp_path):
-    sys.path.insert(0, str(ROOT / "jobs"))
-    import train_predictor
-
     out = tmp_path / "pred"
-    args = train_predictor.parse_args(
-        [
-            "--labels",
-            str(write_labels(tmp_path)),
-            "--out",
-            str(out),
-            "--grid",
-            "paper",
-            "--max-iter",
-            "30",
-            "--importance-rows",
-            "200",
-        ]
+    opts = TrainConfig(
+        labels=[str(write_labels(tmp_path))], out=str(out), grid="paper", max_iter=30, importance_rows=200
     )
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = train_predictor.train(args)
+        report = train(opts)
     assert {"predictor.json", "predictor.npz", "report.json", "report.md"} <= {p.name for p in out.iterdir()}
     assert not any(p.suffix in (".pkl", ".pickle", ".joblib") for p in out.iterdir())
     pred = YieldPredictor.load(out)
@@ -293,7 +279,7 @@ def test_train_predictor_job(tmp_path):
     v1.mkdir()
     pq.write_table(tiny_labels().drop_columns(["regime"]), v1 / "part-0.parquet")
     (v1 / META_FILE).write_text(json.dumps({"feature_spec": SPEC.to_dict(), "model_depth": DEPTH}))
-    table, _ = train_predictor.load_labels([str(v1)])
+    table, _ = load_labels([str(v1)])
     assert set(table.column("regime").to_pylist()) == {"cold"} and table.num_rows == tiny_labels().num_rows
     assert pred.meta["model_depth"] == DEPTH and pred.meta["positions"] == "all"
     assert "Policies on the test traces" in (out / "report.md").read_text()

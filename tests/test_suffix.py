@@ -445,8 +445,8 @@ def test_history_from_a_trace_folder_seeds_the_global_tree(tmp_path):
     outputs) go into the global tree, in arrival order, so a new request drafts from them."""
     import json
 
-    from hvd_ray.traces.collect import TraceWriter
     from hvd_ray.traces.history import past_outputs, warm_global_tree
+    from hvd_ray.traces.store import TraceWriter
 
     def row(pid: str, seq: int, split: str, prompt: list[int], output: list[int]) -> dict:
         return {

@@ -287,7 +287,8 @@ def test_step_clock_prices_a_batch_that_never_runs_one_token():
 
 
 def test_nothing_but_hvd_ray_vllm_imports_it():
-    """The core never imports the vLLM integration (tests/test_layers.py places it in layer 7)."""
+    """The core never imports the vLLM integration; from outside only ``hvd_ray.vllm.generate`` (vLLM
+    as a plain batch generator: the traces' vLLM backend, the benchmark peers' environment)."""
     from test_layers import graph
 
     edges, _ = graph()
@@ -295,7 +296,7 @@ def test_nothing_but_hvd_ray_vllm_imports_it():
         m
         for m, deps in edges.items()
         for _, d in deps
-        if d.startswith("hvd_ray.vllm") and not m.startswith("hvd_ray.vllm")
+        if d.startswith("hvd_ray.vllm") and d != "hvd_ray.vllm.generate" and not m.startswith("hvd_ray.vllm")
     }
     assert not users, users
 
@@ -476,7 +477,8 @@ def test_collect_traces_with_the_vllm_backend(tmp_path, default_folder):
     from hvd_ray.engine import Engine, SamplingParams
     from hvd_ray.model import load
     from hvd_ray.traces import TRACE_SCHEMA, read_traces
-    from hvd_ray.traces.replay import ReplayConfig, TraceLabeler, read_trace_table
+    from hvd_ray.traces.labeler import ReplayConfig, TraceLabeler
+    from hvd_ray.traces.records import read_trace_table
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "traces"

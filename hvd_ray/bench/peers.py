@@ -18,7 +18,7 @@ import torch
 
 from ..drafters.base import Draft, Drafter, DraftRequest
 from ..engine import SamplingParams
-from ..traces.vllm_generate import vllm_env
+from ..vllm.generate import vllm_env
 
 PEER = Path(__file__).with_name("vllm_peer.py")  # a script for the vLLM interpreter, not imported here
 

@@ -43,7 +43,7 @@ def free_port() -> int:
 def client(python: str, url: str, model: str, data: Path, c: int, n: int, max_tokens: int, out: Path) -> dict:
     """One ``vllm bench serve`` run: ``n`` prompts of the custom dataset ``data`` (rendered chat text,
     completions endpoint) at concurrency ``c``; returns its result JSON."""
-    from ..traces.vllm_generate import vllm_env
+    from ..vllm.generate import vllm_env
 
     args = [
         "--backend",

@@ -28,7 +28,7 @@ ENTRY_POINT = "[vllm.general_plugins]\nhvd = hvd_ray.vllm.plugin:register\n"
 def env(python: str, threads: int | None = None) -> dict:
     """The child's environment: hvd_ray importable and its plug-in declared (a ``.dist-info`` with the
     entry point, in a temporary folder on ``PYTHONPATH``), Intel OpenMP as vLLM's CPU guide asks."""
-    from ..traces.vllm_generate import vllm_env
+    from ..vllm.generate import vllm_env
 
     out = vllm_env(python)
     info = Path(tempfile.gettempdir()) / "hvd-ray-vllm-plugin"

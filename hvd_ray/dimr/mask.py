@@ -207,7 +207,7 @@ def load_mask(name_or_path: str | Path, model: Any = None, *, model_revision: st
     """Load and verify a mask artifact: checksum, format version, and (if given) the target.
 
     ``model`` (a Transformer or ModelConfig) must have the mask's layer count; ``model_revision``
-    (see ``hvd_ray.traces.collect.model_revision``), when given and recorded, must match.
+    (see ``hvd_ray.traces.model_info.model_revision``), when given and recorded, must match.
     """
     folder = mask_folder(name_or_path)
     data = (folder / MASK_FILE).read_bytes()

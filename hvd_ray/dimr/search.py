@@ -84,7 +84,7 @@ def sequences_from_traces(
     folder: str, *, limit: int, max_len: int, model_revision: str | None = None, split: str | None = None, seed: int = 0
 ) -> list[CalibSeq]:
     """Calibration sequences from a trace directory (``hvd_ray.traces.schema``), at most ``max_len`` tokens."""
-    from ..traces.collect import read_traces
+    from ..traces.store import read_traces
 
     t = read_traces(folder, columns=["prompt_id", "split", "prompt_tokens", "output_tokens", "model_revision"])
     if t.num_rows == 0:
@@ -121,7 +121,8 @@ def generate_sequences(
 ) -> list[CalibSeq]:
     """Calibration sequences generated now: greedy outputs of ``model`` (our Engine) on packaged prompts."""
     from ..engine import Engine, SamplingParams
-    from ..traces.collect import eos_token_ids, prepare_prompts
+    from ..traces.model_info import eos_token_ids
+    from ..traces.prompts import prepare_prompts
     from ..workloads import load_workload
 
     prompts = load_workload(workload, split=split)

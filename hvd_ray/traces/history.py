@@ -18,7 +18,7 @@ def past_outputs(path: str | Path, splits: Sequence[str] = ("train", "")) -> lis
     """(id, output tokens) of the traces in ``path`` whose split is in ``splits``, in arrival order.
     The default keeps the train split (and unsplit user traces), so held-out prompts' own outputs
     never seed the tree they are measured with."""
-    from .replay import read_trace_table, traces_from_table
+    from .records import read_trace_table, traces_from_table
 
     if not Path(path).exists():
         raise FileNotFoundError(f"suffix history: no trace folder at {path}")

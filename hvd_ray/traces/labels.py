@@ -1,4 +1,5 @@
-"""Parquet schema of the label files ``jobs/label_traces.py`` writes (one row per trace position).
+"""Parquet schema of the label files ``jobs/label_traces.py`` writes (one row per trace position),
+and the table replay's label columns make in it (:func:`columns_to_table`).
 
 Row (prompt_id, t) describes the decoding step that would start when the request's output holds
 ``t`` tokens (``t >= 1``: the first token comes from prefill). At that point the context is
@@ -24,6 +25,7 @@ Row (prompt_id, t) describes the decoding step that would start when the request
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
 LABEL_VERSION = 2  # 2: the regime column
@@ -63,3 +65,21 @@ def with_regime(table: pa.Table) -> pa.Table:
     if "regime" in table.column_names:
         return table
     return table.append_column("regime", pa.array(["cold"] * table.num_rows, pa.string()))
+
+
+def columns_to_table(cols: dict[str, list]) -> pa.Table:
+    """Label columns (``replay.replay_trace``'s, merged) as one table in :func:`label_schema` with
+    the current feature spec."""
+    from ..selection.features import SPEC
+
+    schema = label_schema(SPEC.to_json())
+    arrays = []
+    for f in schema:
+        v = cols[f.name]
+        if f.name == "phi":
+            flat = np.concatenate(v).astype(np.float32) if v else np.zeros(0, np.float32)
+            offsets = np.arange(len(v) + 1, dtype=np.int32) * (len(SPEC) if v else 0)
+            arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat)))
+        else:
+            arrays.append(pa.array(v, type=f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)

@@ -1,2 +1,2 @@
-"""Offline training of draft models (the EAGLE-3 head), over the model layer; the Ray Train jobs
-that drive it live in ``jobs/``."""
+"""Offline training: the EAGLE-3 draft head (``eagle3.py``, over the model layer) and the yield
+predictor (``predictor.py``, on trace-replay labels); the jobs that drive them live in ``jobs/``."""

@@ -2,7 +2,9 @@
 vLLM speculative proposer (``method: custom_class``), a worker extension that counts target
 forwards, and the plug-in (``plugin.py``, vLLM's entry point ``hvd``) that makes the whole hybrid,
 cache and EAGLE-3 head, the speculative method ``hvd``. Nothing else in hvd_ray imports this
-package; only ``plugin.register`` imports vLLM (vLLM calls it), so it loads wherever hvd_ray does.
+package but ``generate.py`` (vLLM as a plain batch generator: the traces' vLLM backend, the benchmark
+peers' environment). vLLM itself is imported only inside functions (``plugin.register``, which vLLM
+calls, and ``generate.py``'s backend), so the package loads wherever hvd_ray does.
 
     speculative_config={"method": "custom_class", "model": "hvd_ray.vllm.HvdProposer",
                         "num_speculative_tokens": 32}

@@ -1,16 +1,16 @@
-"""vLLM in a child process: batch generation for trace collection (``collect_traces --backend
-vllm``).
+"""vLLM as a plain batch generator, in this interpreter or in a child process of another one: the
+trace backend (``collect_traces --backend vllm``) and the environment of the benchmark's vLLM peers.
 
-Imported by :class:`hvd_ray.traces.collect.VllmGenerator` where vLLM is installed in the same
+Imported by :class:`hvd_ray.traces.generators.VllmGenerator` where vLLM is installed in the same
 interpreter, or run as a script by another interpreter that has vLLM (``--vllm-python``: vLLM's CPU
 build lives in its own virtualenv, without Ray or pyarrow), then answering one JSON line per batch:
 
-    VLLM_PYTHON hvd_ray/traces/vllm_generate.py '{"folder": ..., "dtype": ..., "max_batch": n,
-                                                  "topk": k, "eos_token_ids": [...], "threads": t}'
+    VLLM_PYTHON hvd_ray/vllm/generate.py '{"folder": ..., "dtype": ..., "max_batch": n,
+                                          "topk": k, "eos_token_ids": [...], "threads": t}'
     stdin:  {"prompts": [[ids], ...], "max_tokens": n}
     stdout: {"ready": true, "device": ...} once, then {"generations": [{...}, ...]} per line
 
-Each generation is a dict of :class:`~hvd_ray.traces.collect.Generation`'s fields.
+Each generation is a dict of :class:`~hvd_ray.traces.generators.Generation`'s fields.
 
 Only the standard library is imported at the top, so running the file needs nothing from hvd_ray's
 dependencies.
@@ -28,9 +28,8 @@ def vllm_env(python: str) -> dict:
     """The environment for a vLLM interpreter's child process: hvd_ray importable from this checkout
     (``custom_class`` proposers, the worker extension), Intel OpenMP preloaded where its venv has it
     (vLLM's CPU guide: without it, "significant performance" is lost), its threads sleeping 1 ms after
-    a parallel region rather than its default 200 ms: a benchmark peer's threads, spinning after each
-    of its answers, slowed the method timed next by up to 0.13 s in a 0.8 s decode (3 of 6 times),
-    and 1 ms left the peer's own time unchanged."""
+    a parallel region rather than its default 200 ms, so a benchmark peer's threads, spinning after
+    each of its answers, do not slow the method timed next."""
     from pathlib import Path
 
     env = dict(os.environ)
