@@ -7,7 +7,7 @@
    (``--traces`` parquet if present, else generated now with our Engine); held-out = validation split;
 3. DIMR on Ray Tune (``OptunaSearch``: random start-up trials, then TPE interleaved with random
    trials; ``reuse_actors=True``; one model per actor) minimising ``--objective`` (R or KL(q‖q'));
-   every trial's mask meets the budget by construction (``hvd_ray.dimr.search.decode``);
+   every trial's mask meets the budget by construction (``hvd_ray.dimr.space.decode``);
 4. baselines at the same budget: greedy one-sub-layer-at-a-time on calibration KL, ``--random`` random
    masks; all masks scored on held-out (KL, R, top-1 agreement, mean agreed run), the DIMR and
    greedy masks timed directly;
@@ -32,23 +32,12 @@ import torch
 
 from hvd_ray.dimr import SlimMask, save_mask
 from hvd_ray.dimr.budget import SubLayerCosts, measure_costs, measure_mask
+from hvd_ray.dimr.calibration import generate_sequences, place_windows, sequences_from_traces
 from hvd_ray.dimr.cost import DEFAULT_ALPHA, DEFAULT_BETA
-from hvd_ray.dimr.search import (
-    LOCAL_MOVES,
-    OBJECTIVES,
-    SearchProblem,
-    SlimEvaluator,
-    decode,
-    generate_sequences,
-    greedy_search,
-    parse_param,
-    place_windows,
-    random_scores,
-    run_screen,
-    run_search,
-    screen_seeds,
-    sequences_from_traces,
-)
+from hvd_ray.dimr.evaluator import SlimEvaluator
+from hvd_ray.dimr.greedy import greedy_search
+from hvd_ray.dimr.search import LOCAL_MOVES, OBJECTIVES, SearchProblem, run_screen, run_search
+from hvd_ray.dimr.space import decode, parse_param, random_scores, screen_seeds
 
 CACHE = Path(os.environ.get("HVD_RAY_CACHE", Path.home() / ".cache" / "hvd_ray"))
 T0 = time.perf_counter()

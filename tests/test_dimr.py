@@ -10,21 +10,13 @@ import torch
 
 from hvd_ray.dimr import MaskError, SlimMask, load_mask, save_mask
 from hvd_ray.dimr.budget import SubLayerCosts, measure_costs, measure_mask
+from hvd_ray.dimr.calibration import CalibSeq, place_windows
 from hvd_ray.dimr.cost import coarse_logprobs, kl, r_cost
-from hvd_ray.dimr.search import (
-    CalibSeq,
-    LocalRandomSampler,
-    SearchProblem,
-    SlimEvaluator,
-    decode,
-    greedy_search,
-    param_name,
-    parse_param,
-    place_windows,
-    random_scores,
-    run_search,
-    screen_seeds,
-)
+from hvd_ray.dimr.evaluator import SlimEvaluator
+from hvd_ray.dimr.greedy import greedy_search
+from hvd_ray.dimr.samplers import LocalRandomSampler
+from hvd_ray.dimr.search import SearchProblem, run_search
+from hvd_ray.dimr.space import decode, param_name, parse_param, random_scores, screen_seeds
 from hvd_ray.model import Transformer
 
 
