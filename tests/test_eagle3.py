@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from hvd_ray.drafters.base import DraftRequest
 from hvd_ray.drafters.eagle3 import Eagle3Drafter
-from hvd_ray.model.eagle3_head import ARCHITECTURE, Eagle3Config, Eagle3Head, default_aux_layer_ids, taps_for
+from hvd_ray.model.eagle3_checkpoint import ARCHITECTURE, Eagle3Config, default_aux_layer_ids, taps_for
+from hvd_ray.model.eagle3_head import Eagle3Head
 from hvd_ray.model.transformer import Transformer
 from hvd_ray.verification import check_parents
 

@@ -25,7 +25,8 @@ from ..build import build_engine
 from ..engine.engine import Engine
 from ..model import load, resolve
 from ..model.attention import slot_runs
-from ..model.transformer import Attention, Transformer, _StepContext
+from ..model.step import StepContext
+from ..model.transformer import Attention, Transformer
 from .batch import method_spec
 from .machine import DTYPE_NAMES, command, cpu_name, machine_line, versions
 from .prompts import prompt_ids
@@ -47,13 +48,13 @@ class Phases:
 @contextlib.contextmanager
 def timing(ph: Phases):
     """Wrap ``Engine._prefill`` / ``_decode`` / ``_drafts``, ``Transformer.forward`` and the batched
-    attention core (``_StepContext.attend``) to add their seconds to ``ph``; restore them after."""
+    attention core (``StepContext.attend``) to add their seconds to ``ph``; restore them after."""
     orig = {
         (Engine, "_prefill"): Engine._prefill,
         (Engine, "_decode"): Engine._decode,
         (Engine, "_plan"): Engine._plan,
         (Transformer, "forward"): Transformer.forward,
-        (_StepContext, "attend"): _StepContext.attend,
+        (StepContext, "attend"): StepContext.attend,
         (Attention, "_cascade"): Attention._cascade,
     }
 
@@ -114,10 +115,10 @@ def timing(ph: Phases):
 
     def attend(self, q, k, v, mask):
         if not ph._in_decode or ph._in_cascade:
-            return orig[(_StepContext, "attend")](self, q, k, v, mask)
+            return orig[(StepContext, "attend")](self, q, k, v, mask)
         t0 = time.perf_counter()
         try:
-            return orig[(_StepContext, "attend")](self, q, k, v, mask)
+            return orig[(StepContext, "attend")](self, q, k, v, mask)
         finally:
             ph.s["attention"] += time.perf_counter() - t0
 

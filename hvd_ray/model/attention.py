@@ -22,7 +22,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     Computed in the cache's dtype (fp32 on a CPU without bf16 instructions, where bf16 batched
     matmuls are slower than fp32 ones; a bf16 CPU cache takes ``sdpa_attend``, except for decode
     forwards where this is faster, ``bf16_decode_sdpa``) with an fp32 softmax; for decode-sized T
-    this is several times faster than SDPA's CPU kernel on most CPUs.
+    it beats SDPA's CPU kernel on most CPUs (measured: docs/results-engine.md).
     ``bias`` [B, 1, G*T, S] is 0 / -inf (see ``mask_bias``) or None.
     """
     B, T, H, D = q.shape
@@ -41,8 +41,8 @@ def sdpa_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     kernel (fp32 accumulation and softmax) reads the cache as it is stored, half the bytes of fp32
     copies. ``mask`` bool [B, 1, T, S] (True = attend) or None.
 
-    Decode attention is memory-bound, so reading half the bytes roughly halves it on a CPU whose
-    SDPA kernel is fast for one query (Xeon with AMX: docs/results-engine.md has the timings)."""
+    Decode attention is memory-bound, so reading half the bytes pays on a CPU whose SDPA kernel is
+    fast for one query (measured: docs/results-engine.md)."""
     B, T, H, D = q.shape
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, enable_gqa=H != k.shape[1]
@@ -103,11 +103,10 @@ def bf16_decode_sdpa(keys: int) -> bool:
     (rows x span) over a bf16 CPU cache attends through ``sdpa_attend``, else ``attend`` in bf16
     (forwards of several tokens a row always take SDPA). ``HVD_BF16_ATTENTION=sdpa|attend`` decides,
     else (``auto``) SDPA below the crossover timed once per process (:func:`_sdpa_crossover`).
-    It depends on the CPU: on a Xeon with AMX SDPA's decode was the faster (``sdpa_attend``); on an
-    AMD EPYC Zen 4 (``avx512_bf16``, no AMX) SDPA's one-query kernel costs ~0.6 us per key and row
-    against ``attend``'s ~0.03 on top of ~90 us (2 threads, per layer: 165 vs 107 us for one row
-    of 256 keys, 1,201 vs 207 for 8 rows), so past ~100 keys ``attend`` is the faster. Verify forwards keep
-    SDPA: through ``attend`` they were faster alone but slower in serving (docs/results-engine.md)."""
+    It depends on the CPU: where SDPA's one-query kernel is fast (a Xeon with AMX) SDPA wins at any
+    length; where its cost per key is high (an AMD EPYC Zen 4: ``avx512_bf16``, no AMX) ``attend``
+    wins past a short context. Verify forwards keep SDPA: through ``attend`` they were faster alone
+    but slower in serving (measured: docs/results-engine.md)."""
     choice = os.environ.get("HVD_BF16_ATTENTION", "auto")
     if choice not in ("auto", "sdpa", "attend"):
         raise ValueError(f"HVD_BF16_ATTENTION must be auto, sdpa or attend, got {choice!r}")
@@ -118,7 +117,7 @@ def bf16_decode_sdpa(keys: int) -> bool:
 def _sdpa_crossover() -> float:
     """Keys (rows x span) of a decode forward from which ``attend`` beats ``sdpa_attend`` on this CPU:
     both timed at one query over 64 and 1,024 keys (interleaved, medians, the process's torch
-    threads, ~0.05 s once), each fitted as a line in the keys; inf where SDPA is never slower."""
+    threads, once per process), each fitted as a line in the keys; inf where SDPA is never slower."""
     import time
 
     g = torch.Generator().manual_seed(0)
@@ -168,10 +167,9 @@ def mask_bias(mask: Tensor, groups: int) -> Tensor:
 CASCADE_MIN = 256
 
 # A row joins the run before it only while padding the run's rows to one key span wastes at most this
-# many (key, query) pairs: a run attends over its longest row's span. Plain decoding at concurrency 16
-# (one run of 1-token rows, 150- to 1,100-token contexts) spent 22% longer in its forwards without it;
-# 64 to 1,024 here measured alike (a further run costs a few small kernels per layer; measured on
-# CPU, where those are cheap: on a GPU their launches may make a higher bound pay).
+# many (key, query) pairs: a run attends over its longest row's span, so one run over short and long
+# contexts pads the short ones, while a further run costs only a few small kernels per layer on CPU
+# (on a GPU their launches may make a higher bound pay). Measured: docs/results-http.md.
 SPAN_WASTE = 512
 
 
@@ -196,8 +194,7 @@ def slot_runs(
 
 
 # From this many new tokens on, a single sequence after a prefix in its slot attends with SDPA's fused
-# kernel: the rest of a prompt after a reused prefix, and a lone request's longest chain drafts (65
-# wide: SDPA took 0.77-0.99x attend's time here); below, the two are level (0.94-1.08x). After a kept
-# prefix shorter than 1.5x the new tokens it runs causal with padded queries (``pad_queries``), else
-# with a lower-right mask (``prefix_prefill``).
+# kernel: the rest of a prompt after a reused prefix, and a lone request's longest chain drafts, where
+# SDPA is the faster; below, the two are level. After a kept prefix shorter than 1.5x the new tokens
+# it runs causal with padded queries (``pad_queries``), else with a lower-right mask (``prefix_prefill``).
 PREFIX_SDPA_MIN = 64

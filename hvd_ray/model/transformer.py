@@ -1,7 +1,9 @@
 """A compact Llama / Qwen2 / Qwen3 decoder on Hugging Face weights, built for speculative decoding.
 
-In the spirit of gpt-fast (the KV cache in ``kv_cache.py``, the attention kernels in ``attention.py``,
-CPU linear layers in ``linear.py``). What a speculative engine needs beyond a plain model:
+In the spirit of gpt-fast: the module tree and its forward are here; the KV cache is ``kv_cache.py``,
+how a forward attends (kernel choice, masks, runs of slots) ``step.py`` over ``attention.py``'s
+kernels, RoPE ``rope.py``, CPU linear layers ``linear.py``, checkpoint conversion ``convert.py``.
+What a speculative engine needs beyond a plain model:
 
 * a preallocated KV cache with one *slot* per sequence and explicit per-slot lengths, so a forward
   can score several new tokens at once and a rollback is just ``lengths[slot] = n`` (O(1));
@@ -15,73 +17,25 @@ CPU linear layers in ``linear.py``). What a speculative engine needs beyond a pl
 from __future__ import annotations
 
 import copy
-import glob
 import itertools
-import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import (
-    CASCADE_MIN,
-    PREFIX_SDPA_MIN,
-    attend,
-    bf16_decode_sdpa,
-    cascade_attend,
-    mask_bias,
-    run_bias,
-    sdpa_attend,
-    slot_runs,
-)
+from .attention import cascade_attend
 from .config import ModelConfig
+from .convert import load_hf_state_dict
 from .kv_cache import KVCache
 from .linear import linear, pack_linears
-from .registry import ModelError, check_folder
+from .registry import check_folder
+from .rope import apply_rope, rope_cos_sin, rope_tables
+from .step import StepContext, plan_rows, plan_step
 
 SubLayer = tuple[int, str]  # (layer index, "attn" | "mlp")
-
-
-def rope_tables(cfg: ModelConfig, length: int) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [length, head_dim] in fp32 (HF's rotate-half convention)."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    sc = cfg.rope_scaling
-    if sc:
-        kind = sc.get("rope_type", sc.get("type"))
-        if kind == "linear":
-            inv = inv / sc["factor"]
-        elif kind == "llama3":
-            low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-            old = sc.get("original_max_position_embeddings", 8192)
-            wavelen = 2 * math.pi / inv
-            smooth = (old / wavelen - low) / (high - low)
-            scaled = torch.where(wavelen > old / low, inv / sc["factor"], inv)
-            mid = (wavelen <= old / low) & (wavelen >= old / high)
-            inv = torch.where(mid, (1 - smooth) * inv / sc["factor"] + smooth * inv, scaled)
-        else:
-            raise ModelError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
-    freqs = torch.outer(torch.arange(length, dtype=torch.float64), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """HF's rotate-half RoPE, ``x*cos + rotate_half(x)*sin``, in two fused ops.
-
-    ``rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, 1]``, so the sign is folded into
-    ``sin_signed = [-sin, sin]`` (see ``rope_cos_sin``). x [B, T, H, D]; cos/sin [B, T, 1, D].
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
-
-
-def rope_cos_sin(cos_table: Tensor, sin_table: Tensor, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sign-folded sin for positions ``pos [B, T]``, shaped [B, T, 1, D], in ``dtype``."""
-    cos, sin = cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2)
-    half = sin.shape[-1] // 2
-    return cos.to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +67,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, ctx: _StepContext, layer: int) -> Tensor:
+    def forward(self, x: Tensor, ctx: StepContext, layer: int) -> Tensor:
         # Plain F.linear / views rather than module calls: the per-token op count is what a
         # 135M model's decode step pays for on CPU.
         H, KV, D = self.n_heads, self.n_kv, self.hd
@@ -144,9 +98,8 @@ class Attention(nn.Module):
             if ctx.pad_queries:  # the rest of a prompt after a short kept prefix, attended as a fresh
                 # prefill is: SDPA's causal kernel over the whole span, in the model's dtype, with zero
                 # queries for the kept prefix's rows (dropped after), so the lower-right causal chunk
-                # is a top-left causal one. The masked fp32 path below took 3.3x as long for 4,470
-                # tokens after 144 kept (BFCL multi-turn, bf16: 7.4 s of prefill against a fresh
-                # prompt's 1.4 s); an fp32 cache's copies of bf16 K/V convert back exactly. Past a
+                # is a top-left causal one. Long chunks take several times as long through the masked
+                # fp32 path below; an fp32 cache's copies of bf16 K/V convert back exactly. Past a
                 # kept prefix of 1.5x the chunk the padding costs more than the mask saves.
                 P = ctx.pad_queries
                 qp = torch.cat([q.new_zeros(B, P, H, D), q], 1).transpose(1, 2)
@@ -156,7 +109,7 @@ class Attention(nn.Module):
                 out = out.transpose(1, 2).reshape(B, T, H * D)
                 return reduce_shards(linear(out, self.wo), self.tp_group)
             if ctx.prefix_prefill is not None:  # SDPA's fused kernel: attend's [G*T, S] scores would be
-                # materialised per layer (a 900-token rest of a prompt took 1.8x its whole fresh prefill)
+                # materialised per layer, costing a long rest of a prompt more than a whole fresh prefill
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2).to(keys.dtype), keys, vals, attn_mask=ctx.prefix_prefill, enable_gqa=H != KV
                 )
@@ -180,7 +133,7 @@ class Attention(nn.Module):
         return reduce_shards(linear(ctx.attend(q, keys, vals, ctx.mask), self.wo), self.tp_group)
 
     @staticmethod
-    def _cascade(q: Tensor, kc: Tensor, vc: Tensor, ctx: _StepContext) -> Tensor:
+    def _cascade(q: Tensor, kc: Tensor, vc: Tensor, ctx: StepContext) -> Tensor:
         """Attention of a batch some of whose rows share a prefix copy (``ctx.cascade``); the other
         rows attend per run as usual. Packed rows come back packed."""
         B, T, H, D = q.shape
@@ -228,50 +181,6 @@ class Block(nn.Module):
 
 
 @dataclass
-class _StepContext:
-    cache: KVCache
-    cos: Tensor
-    sin: Tensor
-    mask: Tensor | None  # additive attention bias (mask_bias; bool with sdpa), None = attend to everything
-    span: int
-    contiguous: tuple[int, int] | None
-    fresh_prefill: bool = False
-    prefix_prefill: Tensor | None = None  # bool [T, S] lower-right causal: a long chunk after a kept prefix
-    pad_queries: int = 0  # a long chunk after a short kept prefix: that many zero queries make it causal
-    runs: list[tuple[int, int, int, int]] = field(default_factory=list)  # slot_runs
-    head_idx: Tensor | None = None
-    slots_t: Tensor | None = None
-    slot_idx: Tensor | None = None
-    write_pos: Tensor | None = None
-    valid: Tensor | None = None  # packed rows: flat indices of the real tokens in [B * T]
-    padded: tuple[int, int] = (0, 0)  # (B, T) of the padded layout
-    sdpa: bool = False  # a bf16 cache on CPU, unless a decode forward where attend is faster (bf16_decode_sdpa)
-    # rows that attend over a shared prefix once (cascade_attend): (rows, a slot holding the prefix,
-    # its length, the rows' slots, the own part's bias, their real queries, where their outputs go);
-    # the other rows: ``rest`` (attending per run: ``runs``), outputs to ``rest_dest``
-    cascade: list[tuple] = field(default_factory=list)
-    rest: Tensor | None = None
-    rest_mask: Tensor | None = None
-    rest_dest: Tensor | None = None
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        return (sdpa_attend if self.sdpa else attend)(q, k, v, mask)
-
-    def attend_runs(self, q: Tensor, kc: Tensor, vc: Tensor, mask: Tensor | None, T: int) -> list[Tensor]:
-        """Each run of consecutive slots (``runs``, over ``q``'s rows in order) attending over its
-        rows' cache views: a run of rows of real length w attends with its w queries only."""
-        return [
-            self.attend(
-                q[r : r + b - a, :w],
-                kc[a:b, :, :span],
-                vc[a:b, :, :span],
-                None if mask is None else run_bias(mask[r : r + b - a, ..., :span], T, w),
-            )
-            for a, b, r, span, w in self.runs
-        ]
-
-
-@dataclass
 class ForwardOutput:
     logits: Tensor  # [B, T, V] (or [B, 1, V] with last_only; [N, V] with packed_logits, see offsets)
     taps: list[Tensor]  # residual stream after each requested layer, [B, T, dim]
@@ -309,8 +218,8 @@ class Transformer(nn.Module):
 
         The cache defaults to the model dtype, except on a CPU without bf16 dot-product instructions
         (``avx512_bf16``, AMX), where it is fp32: attention there runs ``attend``'s matmuls in the
-        cache dtype, and CPU bf16 batched matmuls measured about 2x slower than fp32 ones (bf16
-        values are stored exactly either way). A bf16 cache on CPU attends with SDPA's kernel
+        cache dtype, and CPU bf16 batched matmuls are slower than fp32 ones there (bf16 values are
+        stored exactly either way). A bf16 cache on CPU attends with SDPA's kernel
         (``sdpa_attend``; decode forwards where ``attend`` is faster take that, ``bf16_decode_sdpa``),
         which reads half the bytes of an fp32 cache (gains measured: docs/results-engine.md).
         """
@@ -376,54 +285,15 @@ class Transformer(nn.Module):
         n_new = [T] * B if n_new is None else list(n_new)
         if max(starts) + T > cache.max_len:
             raise ValueError(f"sequence would exceed the cache length {cache.max_len}")
-        span = max(starts) + T
-
         start_t = torch.tensor(starts, device=dev)
         offs = torch.arange(T, device=dev).expand(B, T) if depths is None else depths
         pos = start_t[:, None] + offs
         cos, sin = rope_cos_sin(self.rope_cos, self.rope_sin, pos, self.dtype)
 
-        contiguous = (slots[0], starts[0]) if B == 1 else None
-        # a bf16 CPU cache attends through SDPA, except decode forwards past the measured crossover
-        sdpa = dev.type == "cpu" and cache.k[0].dtype == torch.bfloat16 and (T > 1 or bf16_decode_sdpa(B * span))
-        mask = prefix = None
-        pad = 0
-        if contiguous is not None and starts[0] > 0 and attn_mask is None and T >= PREFIX_SDPA_MIN:
-            if 2 * starts[0] < 3 * T:
-                pad = starts[0]
-            else:
-                prefix = torch.ones(T, span, dtype=torch.bool, device=dev).tril(starts[0])
-        elif attn_mask is not None or T > 1 or B > 1:
-            kpos = torch.arange(span, device=dev)
-            rel = kpos[None, :] - start_t[:, None]  # [B, S]: key position relative to the new tokens
-            if attn_mask is None:
-                new = rel[:, None, :] <= torch.arange(T, device=dev)[None, :, None]  # causal
-            else:
-                # A token always sees itself, so no row is fully masked (that would give NaNs).
-                own = attn_mask.to(dev) | torch.eye(T, dtype=torch.bool, device=dev)
-                new = own.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, span))
-            mask = ((rel < 0)[:, None, :] | (new & (rel < T)[:, None, :])).unsqueeze(1)
-            if not sdpa:
-                mask = mask_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads)
-        fresh = contiguous is not None and starts[0] == 0 and attn_mask is None and T > 1
-        ctx = _StepContext(cache, cos, sin, mask, span, contiguous, fresh, prefix, pad_queries=pad, sdpa=sdpa)
-        if B > 1 and sum(n_new) < B * T:  # ragged rows: pack the real tokens
-            real = torch.arange(T, device=dev)[None, :] < torch.tensor(n_new, device=dev)[:, None]
-            ctx.valid, ctx.padded = real.view(-1).nonzero().squeeze(1), (B, T)
+        ctx = plan_step(cache, self.cfg, slots, starts, start_t, n_new, T, cos, sin, attn_mask)
         for b, s in enumerate(slots):
             cache.rewritten(s, starts[b])
-        if contiguous is None and attn_mask is None:
-            self._plan_cascade(ctx, slots, starts, n_new if ctx.valid is not None else [T] * B, T)
-        if ctx.rest is not None:  # the rows outside the cascade groups, in their order
-            rest = ctx.rest.tolist()
-            widths = n_new if ctx.valid is not None else [T] * B
-            ctx.runs = slot_runs([slots[b] for b in rest], [starts[b] for b in rest], [widths[b] for b in rest])
-        elif contiguous is None:
-            ctx.runs = slot_runs(slots, starts, n_new if ctx.valid is not None else [T] * B)
-            ctx.slots_t = torch.tensor(list(slots), device=dev)
-            ctx.slot_idx = ctx.slots_t[:, None].expand(B, T)
-            ctx.write_pos = start_t[:, None] + torch.arange(T, device=dev)
-            ctx.head_idx = torch.arange(cache.k[0].shape[1], device=dev)[None, :, None]
+        plan_rows(ctx, self.cfg, slots, starts, start_t, n_new, T, attn_mask)
 
         skipped = set(skip or ())
         tap_set = set(taps)
@@ -453,53 +323,6 @@ class Transformer(nn.Module):
         logits = linear(self.norm(h), self.output)
         return ForwardOutput(logits, [tapped[i] for i in taps])
 
-    def _plan_cascade(
-        self, ctx: _StepContext, slots: Sequence[int], starts: Sequence[int], widths: list[int], T: int
-    ) -> None:
-        """Group the batch's rows whose slots hold copies of one prefix of at least ``CASCADE_MIN``
-        rows (``KVCache.origin``, within every group row's context) for ``cascade_attend``, with
-        where each row's real queries sit and where their outputs go (packed rows: packed)."""
-        cache, dev = self.cache, ctx.cos.device
-        groups: dict[int, list[int]] = {}
-        for b, s in enumerate(slots):
-            if cache.origin[s] is not None:
-                groups.setdefault(cache.origin[s][0], []).append(b)
-        plan = []
-        for rows in groups.values():
-            n = min(min(cache.origin[slots[b]][1], starts[b]) for b in rows) if len(rows) > 1 else 0
-            if n >= CASCADE_MIN:
-                plan.append((rows, n))
-        if not plan:
-            return
-        B = len(slots)
-        packed = {f: i for i, f in enumerate(ctx.valid.tolist())} if ctx.valid is not None else None
-
-        def dest(rows: list[int]) -> Tensor:
-            flat = [b * T + t for b in rows for t in range(widths[b])]
-            return torch.tensor(flat if packed is None else [packed[f] for f in flat], device=dev)
-
-        G = self.cfg.n_heads // self.cfg.n_kv_heads
-        grouped = set()
-        for rows, n in plan:
-            idx = torch.tensor(rows, device=dev)
-            bias = None
-            if ctx.mask is not None:
-                m = ctx.mask.index_select(0, idx)[..., n:]
-                bias = mask_bias(m, G) if m.dtype == torch.bool else m
-            own = [slots[b] for b in rows]
-            consecutive = own == list(range(own[0], own[0] + len(own)))
-            slot_t = range(own[0], own[0] + len(own)) if consecutive else torch.tensor(own, device=dev)
-            real = None
-            if any(widths[b] < T for b in rows):
-                real = torch.tensor([i * T + t for i, b in enumerate(rows) for t in range(widths[b])], device=dev)
-            ctx.cascade.append((idx, own[0], n, slot_t, bias, real, dest(rows)))
-            grouped.update(rows)
-        rest = [b for b in range(B) if b not in grouped]
-        if rest:
-            ctx.rest = torch.tensor(rest, device=dev)
-            ctx.rest_mask = None if ctx.mask is None else ctx.mask.index_select(0, ctx.rest)
-            ctx.rest_dest = dest(rest)
-
     def pack_weights(self) -> bool:
         """Give every Linear a oneDNN-prepacked copy of its weight (CPU: bf16 where the CPU has
         bf16 instructions, and fp32).
@@ -521,58 +344,13 @@ class Transformer(nn.Module):
         cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
     ) -> Transformer:
         """Load a Hugging Face Llama / Qwen2 / Qwen3 safetensors folder."""
-        from safetensors.torch import load_file
-
         folder = Path(folder)
         cfg = ModelConfig.from_hf(check_folder(folder))
         with torch.device("meta"):
             model = cls(cfg)
-        state: dict[str, Tensor] = {}
-        for f in sorted(glob.glob(str(folder / "*.safetensors"))):
-            try:
-                state.update(load_file(f))
-            except Exception as e:  # safetensors raises its own error types for truncated files
-                raise ModelError(f"cannot read weights {f}: {e}") from e
-        model.load_state_dict(convert_hf_state_dict(state, cfg), assign=True, strict=True)
+        model.load_state_dict(load_hf_state_dict(folder, cfg), assign=True, strict=True)
         if cfg.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
         model = model.to(device=device, dtype=dtype).eval()
         model.pack_weights()
         return model
-
-
-def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Rename HF tensors to ours, fusing q/k/v and gate/up (fewer, larger matmuls per step)."""
-    out: dict[str, Tensor] = {}
-
-    def take(name: str) -> Tensor:
-        try:
-            return sd.pop(name)
-        except KeyError:
-            raise ModelError(f"weight {name} is missing from the checkpoint") from None
-
-    out["tok_embeddings.weight"] = take("model.embed_tokens.weight")
-    out["norm.weight"] = take("model.norm.weight")
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)
-        out["output.weight"] = out["tok_embeddings.weight"]
-    else:
-        out["output.weight"] = take("lm_head.weight")
-    for i in range(cfg.n_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        att = p + "self_attn."
-        out[q + "attn.wqkv.weight"] = torch.cat([take(att + f"{n}_proj.weight") for n in "qkv"])
-        if cfg.qkv_bias:
-            out[q + "attn.wqkv.bias"] = torch.cat([take(att + f"{n}_proj.bias") for n in "qkv"])
-        out[q + "attn.wo.weight"] = take(att + "o_proj.weight")
-        if cfg.qk_norm:
-            out[q + "attn.q_norm.weight"] = take(att + "q_norm.weight")
-            out[q + "attn.k_norm.weight"] = take(att + "k_norm.weight")
-        out[q + "mlp.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        out[q + "mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
-        out[q + "attn_norm.weight"] = take(p + "input_layernorm.weight")
-        out[q + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
-    leftovers = [k for k in sd if "rotary_emb" not in k]
-    if leftovers:
-        raise ModelError(f"unexpected weights in checkpoint: {leftovers[:5]}")
-    return out

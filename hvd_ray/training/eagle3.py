@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ..model.eagle3_head import Eagle3Head
-from ..model.transformer import Transformer, apply_rope, rope_cos_sin, rope_tables
+from ..model.rope import apply_rope, rope_cos_sin, rope_tables
+from ..model.transformer import Transformer
 
 IGNORE = -100
 
