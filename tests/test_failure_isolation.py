@@ -94,7 +94,7 @@ def test_engine_loop_failure_reaches_every_waiter(tiny_llama):
     new ones are refused, and the replica reports unhealthy."""
     from hvd_ray.engine import Engine, SamplingParams
     from hvd_ray.model.transformer import Transformer
-    from hvd_ray.serving.replica import EngineLoop, _Stream
+    from hvd_ray.serving.engine_loop import EngineLoop, Stream
 
     model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
     engine = Engine(model, max_batch=2, max_len=128)
@@ -102,7 +102,7 @@ def test_engine_loop_failure_reaches_every_waiter(tiny_llama):
     async def main():
         loop = asyncio.get_running_loop()
         el = EngineLoop(engine)
-        ok = _Stream(loop, asyncio.Queue())
+        ok = Stream(loop, asyncio.Queue())
         el.submit([1, 2, 3], SamplingParams(max_tokens=4), "ok", ok)
         first = await asyncio.wait_for(ok.queue.get(), 30)
         assert first["type"] == "tokens"
@@ -114,7 +114,7 @@ def test_engine_loop_failure_reaches_every_waiter(tiny_llama):
             raise RuntimeError("injected forward fault")
 
         model.forward = boom
-        streams = [_Stream(loop, asyncio.Queue()) for _ in range(4)]  # 2 admitted, 2 queued for a slot
+        streams = [Stream(loop, asyncio.Queue()) for _ in range(4)]  # 2 admitted, 2 queued for a slot
         for i, s in enumerate(streams):
             el.submit([1, 2, 3 + i], SamplingParams(max_tokens=50), f"r{i}", s)
         evs = [await asyncio.wait_for(s.queue.get(), 30) for s in streams]
@@ -123,7 +123,7 @@ def test_engine_loop_failure_reaches_every_waiter(tiny_llama):
         ), evs
         assert not el.stats()["healthy"]
         with pytest.raises(RuntimeError, match="engine loop failed"):
-            el.submit([1], SamplingParams(max_tokens=1), "late", _Stream(loop, asyncio.Queue()))
+            el.submit([1], SamplingParams(max_tokens=1), "late", Stream(loop, asyncio.Queue()))
 
     try:
         asyncio.run(main())

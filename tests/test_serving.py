@@ -958,7 +958,7 @@ def _front(folder):
     from transformers import AutoTokenizer
 
     from hvd_ray.serving import ServingConfig
-    from hvd_ray.serving.replica import ReplicaFront
+    from hvd_ray.serving.replica_front import ReplicaFront
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
 
@@ -977,7 +977,7 @@ def test_the_replica_runs_n_choices_as_engine_requests_and_multiplexes_their_eve
     it neither counted nor given logprobs); a client that leaves aborts every choice still running."""
     import asyncio
 
-    from hvd_ray.serving.replica import deliver
+    from hvd_ray.serving.engine_loop import deliver
 
     Front = _front(default_folder)
     tok = Front.tok
@@ -1031,7 +1031,8 @@ def test_the_replica_names_the_parameter_behind_an_engine_refusal(default_folder
     parameter; a structure the engine cannot compile names ``tools`` when the tools made it."""
     import asyncio
 
-    from hvd_ray.serving.replica import _ClientError, deliver
+    from hvd_ray.serving.engine_loop import deliver
+    from hvd_ray.serving.replica_front import ClientError
 
     front = _front(default_folder)()
     base = {"max_tokens": None, "temperature": 0.0}
@@ -1039,7 +1040,7 @@ def test_the_replica_names_the_parameter_behind_an_engine_refusal(default_folder
         ({"logit_bias": {front.vocab_size: 1.0}}, "logit_bias"),
         ({"min_tokens": 10**6}, "min_tokens"),
     ]:
-        with pytest.raises(_ClientError) as e:
+        with pytest.raises(ClientError) as e:
             front._params({"params": {**base, **extra}}, 10, "prompt")
         assert e.value.param == param, e.value.message
 

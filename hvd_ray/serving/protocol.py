@@ -1,4 +1,4 @@
-"""OpenAI wire format: request models (pydantic), response/chunk builders and error bodies.
+"""One concept, the OpenAI wire format: request models (pydantic), response/chunk builders, error bodies.
 
 Only what the server implements is modelled, and nothing is silently ignored: a field the server
 does not know is refused with a 400 naming it (``unsupported_parameter``), and values of known fields
