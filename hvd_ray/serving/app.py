@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from .config import ServingConfig
 
@@ -38,6 +38,10 @@ def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application
         "max_queued_requests": cfg.replica_max_queued(),
         **drain,
     }
+    if cfg.request_router == "affinity":
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class="hvd_ray.serving.affinity.PrefixAffinityRouter"
+        )
     if cfg.autoscaling_config is not None:
         auto = {"target_ongoing_requests": cfg.max_batch, **cfg.autoscaling_config}
         opts["autoscaling_config"] = auto

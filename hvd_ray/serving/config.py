@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -163,6 +163,12 @@ class ServingConfig(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     max_ongoing_requests: int | None = Field(None, ge=1, description="per replica (default: 2 x max_batch)")
+    request_router: Literal["affinity", "pow2"] = Field(
+        "affinity",
+        description="how the ingress picks a model replica: affinity = the replica that served the "
+        "longest prefix of the request (a conversation's next turn finds its K/V and suffix trees "
+        "there; serving/affinity.py), pow2 = Serve's default power of two choices",
+    )
     ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(
