@@ -211,9 +211,12 @@ def main() -> None:
         )
     except (OSError, ValueError) as e:
         ap.error(f"--prompt-file: {e}")
-    default_workloads = {"vllm": ["function_calling", "code"], "vllm-serve": ["agent"], "where": ["agent"]}.get(
-        args.mode, list(WORKLOADS)
-    )
+    default_workloads = {
+        "vllm": ["function_calling", "code"],
+        "vllm-serve": ["agent"],
+        "where": ["agent"],
+        "affinity": ["agent"],
+    }.get(args.mode, list(WORKLOADS))
     args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else default_workloads)
     args.max_tokens = args.max_tokens or (
         32

@@ -55,7 +55,7 @@ def block_keys(text: str, block_chars: int) -> list[bytes]:
 class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """Serve's power-of-two-choices router, preferring the replicas that hold a request's longest prefix."""
 
-    def initialize_state(self, block_chars: int = 64, imbalance: int = 4, max_keys: int = 200_000) -> None:
+    def initialize_state(self, block_chars: int = 64, imbalance: int = 1, max_keys: int = 200_000) -> None:
         self.block_chars, self.imbalance, self.max_keys = block_chars, imbalance, max_keys
         self.holders: OrderedDict[bytes, set[ReplicaID]] = OrderedDict()
         self.preferred_routes = 0  # requests whose first choice was a replica holding their prefix
