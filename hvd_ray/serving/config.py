@@ -163,11 +163,12 @@ class ServingConfig(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     max_ongoing_requests: int | None = Field(None, ge=1, description="per replica (default: 2 x max_batch)")
-    request_router: Literal["affinity", "pow2"] = Field(
-        "affinity",
-        description="how the ingress picks a model replica: affinity = the replica that served the "
-        "longest prefix of the request (a conversation's next turn finds its K/V and suffix trees "
-        "there; serving/affinity.py), pow2 = Serve's default power of two choices",
+    request_router: Literal["pow2", "affinity"] = Field(
+        "pow2",
+        description="how the ingress picks a model replica: pow2 = Serve's default power of two choices; "
+        "affinity = the replica that served the longest prefix of the request, while its queue is at most "
+        "one longer than the shortest (a conversation's next turn finds its K/V and suffix trees there; "
+        "serving/affinity.py)",
     )
     ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     ingress_num_replicas: int = Field(1, ge=1)
