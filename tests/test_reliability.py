@@ -241,8 +241,9 @@ def test_schemathesis_fuzz_finds_no_server_error(base_url, http):
 
 # ---------------------------------------------------------------------------------------- load
 def test_load_at_concurrency_32_fails_nothing(base_url, http):
-    """Mixed streamed / plain, sampled / greedy chat and completions with hang-ups, 32 at a time:
-    zero failures; afterwards KV slots, the suffix trees and the actor's requests are back to idle,
+    """Mixed streamed / plain, sampled / greedy chat and completions with hang-ups, all at once:
+    zero failures (20 requests, under the replica's 24 admitted, so a call still closing from an
+    earlier test cannot push one into the bounded queue's 503); afterwards KV slots, the suffix trees and the actor's requests are back to idle,
     and a second wave of the same load leaves the replica's memory where the first one took it."""
     import ray
 
@@ -256,7 +257,7 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
             run_load(
                 base_url,
                 concurrency=32,
-                requests=24,
+                requests=20,
                 max_tokens=16,
                 disconnect_share=0.3,
                 api_key=API_KEY,
@@ -267,7 +268,7 @@ def test_load_at_concurrency_32_fails_nothing(base_url, http):
         s = res.summary()
         print("load:", json.dumps(s))
         assert res.failed == 0, s["errors"]
-        assert res.ok + res.disconnected == res.sent == 24
+        assert res.ok + res.disconnected == res.sent == 20
         waves.append(res)
         rss.append(wait_idle(http)["rss_bytes"])
     assert sum(r.disconnected for r in waves) > 0
