@@ -358,7 +358,8 @@ def test_the_plugin_method_hvd_in_vllm_is_greedy_identical(tmp_path, monkeypatch
     """vLLM with hvd-ray's plug-in, loaded through its ``vllm.general_plugins`` entry point, and the
     method ``hvd`` (suffix cache, the shipped EAGLE-3 head, the cost policy), fp32 greedy, held-out
     function-calling, code and chat prompts, at batch 8 and at batch 1: token-identical to vLLM's own
-    greedy; rows verified cache drafts and EAGLE-3 drafts, and some step's rows took different sources."""
+    greedy; rows verified cache drafts and EAGLE-3 drafts, and some step's rows took different sources.
+    On vLLM's CPU build the plug-in's engine gets 32-token KV blocks, vLLM's own the CPU default."""
     from transformers import AutoTokenizer
 
     from hvd_ray.bench.peers import run_vllm_job
@@ -390,6 +391,7 @@ def test_the_plugin_method_hvd_in_vllm_is_greedy_identical(tmp_path, monkeypatch
         assert "error" not in ours, ours
         assert len(ours["outputs"]) == len(group) and ours["outputs"] == greedy["outputs"], batch
         stats[batch] = s = ours["proposer"]
+        assert (greedy["block_size"], ours["block_size"]) == (128, 32)
         assert s["requests"] == len(group) and sum(s["rows"].values()) > 0, s
     print(
         "rows by source at batch 8 / 1:",

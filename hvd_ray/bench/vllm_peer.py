@@ -15,8 +15,8 @@ seed s + i; other keys such as ``top_k`` go to ``SamplingParams``); ``"inproc": 
 core in this process, as ``--serve`` runs it);
 ``"count": true`` (hvd-ray's worker extension counts each method's target forwards: ``per_prompt``
 rows get ``[tokens, s, forwards, prefill forwards]`` and the method its proposer's counts under
-``"proposer"``; needs hvd_ray on ``PYTHONPATH``, as does a ``custom_class`` method naming
-``hvd_ray.vllm.*``); ``"plugins": ["module:function", ...]`` (vLLM plug-in entry points to call
+``"proposer"`` and its KV block size under ``"block_size"``; needs hvd_ray on ``PYTHONPATH``, as does
+a ``custom_class`` method naming ``hvd_ray.vllm.*``); ``"plugins": ["module:function", ...]`` (vLLM plug-in entry points to call
 first, e.g. ``hvd_ray.vllm.plugin:register`` for the method ``{"method": "hvd", ...}`` where hvd-ray
 is not installed; the output's ``"plugins"`` lists the entry points vLLM finds itself).
 
@@ -107,7 +107,8 @@ def main() -> None:
         print("[vllm] prompt done", file=sys.stderr, flush=True)
     if count:
         for name, llm in llms.items():
-            res[name]["proposer"] = llm.collective_rpc("hvd_stats")[0].get("proposer")
+            stats = llm.collective_rpc("hvd_stats")[0]
+            res[name]["proposer"], res[name]["block_size"] = stats.get("proposer"), stats["block_size"]
     print(json.dumps({"version": vllm.__version__, "methods": res, "plugins": plugins}))
 
 

@@ -26,6 +26,12 @@ What it extends, and why no more (vLLM 0.32; :func:`register` refuses other vers
   choosing the model the length is 0: the head still runs its first pass over the step's tokens, so
   its KV cache and hidden states follow every accepted token, whichever source a row verified.
 
+* ``EngineArgs.create_engine_config``, on vLLM's CPU build only: a config asking for ``hvd`` with no
+  ``block_size`` of the user's gets KV blocks of 32 tokens (:data:`CPU_BLOCK`) instead of the CPU
+  default of 128. An engine with an EAGLE drafter resumes a prefix-cache hit one whole block early
+  (the head needs the hidden state above it), so with 128-token blocks every request sharing a long
+  system prompt recomputes up to 255 of its tokens; with 32, at most 63.
+
 * on vLLM's CPU build, ``rejection_sampler.expand_batch_to_tokens`` (:func:`fix_cpu_expand`): its
   CPU fallback leaves a sampled request's per-position temperatures uninitialised, which breaks
   sampling under any speculative method; the replacement is the same operation in torch.
@@ -49,6 +55,7 @@ MARK = "hvd_ray"  # the SpeculativeConfig attribute holding a marked config's se
 SUPPORTED = ("0.32", "0.33")  # vLLM versions [from, to) whose model runner this extends
 POLICIES = {"cost": HvdProposer, "static": HvdStaticProposer, "tau": HvdTauProposer}
 EAGLE_TOKENS = 5
+CPU_BLOCK = 32  # KV block size on vLLM-CPU for method hvd (the CPU kernels want multiples of 32)
 
 
 def check_version(installed: str) -> None:
@@ -180,6 +187,12 @@ def fix_cpu_expand() -> bool:
     return True
 
 
+def asks_for_hvd(args) -> bool:
+    """Whether vLLM engine arguments ask for method hvd (as a config or as ``--spec-method``)."""
+    spec = args.speculative_config
+    return args.spec_method == METHOD or (isinstance(spec, dict) and spec.get("method") == METHOD)
+
+
 def hybrid_of(runner) -> Hybrid | None:
     """The runner's :class:`Hybrid` (made on first use), or None unless its config asks for hvd."""
     settings = getattr(getattr(runner, "speculative_config", None), MARK, None)
@@ -205,7 +218,15 @@ def register() -> None:
     if getattr(GPUModelRunner.propose_draft_token_ids, "hvd", False):
         return
     make_config = EngineArgs.create_speculative_config
+    make_engine_config = EngineArgs.create_engine_config
     eagle = GPUModelRunner.propose_draft_token_ids
+
+    def create_engine_config(self, *args, **kwargs):
+        from vllm.platforms import current_platform
+
+        if asks_for_hvd(self) and self.block_size is None and current_platform.is_cpu():
+            self.block_size = CPU_BLOCK
+        return make_engine_config(self, *args, **kwargs)
 
     def create_speculative_config(self, *args, **kwargs):
         if self.spec_method == METHOD:  # (``--spec-method hvd`` and its sibling flags)
@@ -233,8 +254,19 @@ def register() -> None:
         return h.propose(self, eagle, scheduler_output, sampled_token_ids, args, kwargs)
 
     propose_draft_token_ids.hvd = True
+    EngineArgs.create_engine_config = create_engine_config
     EngineArgs.create_speculative_config = create_speculative_config
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
 
 
-__all__ = ["METHOD", "SUPPORTED", "Hybrid", "check_version", "fix_cpu_expand", "register", "translate"]
+__all__ = [
+    "CPU_BLOCK",
+    "METHOD",
+    "SUPPORTED",
+    "Hybrid",
+    "asks_for_hvd",
+    "check_version",
+    "fix_cpu_expand",
+    "register",
+    "translate",
+]

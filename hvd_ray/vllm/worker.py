@@ -4,7 +4,8 @@
     llm.collective_rpc("hvd_count_forwards")       # once: wrap the model runner's execute_model
     ...generate...
     llm.collective_rpc("hvd_stats")[0]           # {"forwards", "prefill_forwards", "scheduled_tokens",
-                                                 #  "draft_tokens", "proposer": HvdProposer.stats()
+                                                 #  "draft_tokens", "block_size" (of the KV cache),
+                                                 #  "proposer": HvdProposer.stats()
                                                  #  or, under the plug-in's method hvd, Hybrid.stats()}
 
 A forward is one ``execute_model`` call that schedules tokens; a prefill forward one that schedules a
@@ -39,6 +40,7 @@ class HvdWorkerExtension:
     def hvd_stats(self) -> dict:
         runner = self.model_runner
         out = dict(getattr(runner, "_hvd_counts", None) or {})
+        out["block_size"] = runner.cache_config.block_size
         drafter = runner.__dict__.get("_hvd_hybrid") or getattr(runner, "drafter", None)  # (the plug-in's)
         if callable(getattr(drafter, "stats", None)):
             out["proposer"] = drafter.stats()
