@@ -240,11 +240,12 @@ def test_schemathesis_fuzz_finds_no_server_error(base_url, http):
 
 
 # ---------------------------------------------------------------------------------------- load
-def test_load_at_concurrency_32_fails_nothing(base_url, http):
-    """Mixed streamed / plain, sampled / greedy chat and completions with hang-ups, all at once:
-    zero failures (20 requests, under the replica's 24 admitted, so a call still closing from an
-    earlier test cannot push one into the bounded queue's 503); afterwards KV slots, the suffix trees and the actor's requests are back to idle,
-    and a second wave of the same load leaves the replica's memory where the first one took it."""
+def test_load_of_20_at_once_fails_nothing(base_url, http):
+    """Mixed streamed / plain, sampled / greedy chat and completions with hang-ups, all at once: zero
+    failures (20 requests, under the replica's 24 admitted, so a call still closing from an earlier
+    test cannot push one into the bounded queue's 503); afterwards KV slots, the suffix trees and
+    the actor's requests are back to idle, and a second wave of the same load leaves the replica's
+    memory where the first one took it."""
     import ray
 
     from hvd_ray.bench.load import real_prompts, run_load

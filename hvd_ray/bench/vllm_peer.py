@@ -15,10 +15,11 @@ seed s + i; other keys such as ``top_k`` go to ``SamplingParams``); ``"inproc": 
 core in this process, as ``--serve`` runs it);
 ``"count": true`` (hvd-ray's worker extension counts each method's target forwards: ``per_prompt``
 rows get ``[tokens, s, forwards, prefill forwards]`` and the method its proposer's counts under
-``"proposer"`` and its KV block size under ``"block_size"``; needs hvd_ray on ``PYTHONPATH``, as does
-a ``custom_class`` method naming ``hvd_ray.vllm.*``); ``"plugins": ["module:function", ...]`` (vLLM plug-in entry points to call
-first, e.g. ``hvd_ray.vllm.plugin:register`` for the method ``{"method": "hvd", ...}`` where hvd-ray
-is not installed; the output's ``"plugins"`` lists the entry points vLLM finds itself).
+``"proposer"`` and its KV block size under ``"block_size"``; needs hvd_ray on ``PYTHONPATH``, as
+does a ``custom_class`` method naming ``hvd_ray.vllm.*``); ``"plugins": ["module:function", ...]``
+(vLLM plug-in entry points to call first, e.g. ``hvd_ray.vllm.plugin:register`` for the method
+``{"method": "hvd", ...}`` where hvd-ray is not installed; the output's ``"plugins"`` lists the
+entry points vLLM finds itself).
 
     /path/to/vllm-venv/bin/python hvd_ray/bench/vllm_peer.py --serve '{"model": ..., "dtype": ..., "threads": t,
                                                                          "spec": speculative_config or null}'
