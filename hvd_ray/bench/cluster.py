@@ -1,0 +1,559 @@
+"""Serve autoscaling on a simulated multi-node Ray cluster, and the ``cluster`` benchmark over it.
+
+:class:`SimulatedCluster` runs Ray's real autoscaler with its fake multi-node provider on one machine:
+every worker node the autoscaler launches is a raylet of its own, a separate node to the scheduler
+and to Serve. The app's model replicas ask for a resource only worker nodes have, so each replica
+beyond what the nodes hold makes the autoscaler add a node, and a node left idle is removed.
+:class:`LoadDriver` keeps a changeable number of clients busy through the load driver
+(:func:`~hvd_ray.bench.load.run_load`) and records every request's outcome and time, so a run can be
+split into phases (scale-up, scale-down) afterwards. ``tests/test_autoscaling.py`` and
+``python jobs/benchmark.py cluster`` use both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray.cluster_utils import AutoscalingCluster
+
+from .load import run_load
+from .machine import DTYPE_NAMES, command, cpu_name, machine_line, versions
+
+REPLICA_RESOURCE = "replica_node"  # only worker nodes have it: a model replica never lands on the head
+WORKER_TYPE = "replica.cpu"
+MODEL_DEPLOYMENT = "ModelReplica"
+
+# ray/autoscaler/_private/fake_multi_node/example.yaml, the template AutoscalingCluster merges its node
+# types into; Ray's wheel does not ship that file
+FAKE_TEMPLATE = {
+    "cluster_name": "fake_multinode",
+    "max_workers": 8,
+    "provider": {
+        "type": "fake_multinode",
+        "use_node_id_as_ip": True,
+        "disable_node_updaters": True,
+        "disable_launch_config_check": True,
+    },
+    "head_node_type": "ray.head.default",
+    "auth": {},
+    "upscaling_speed": 1.0,
+    "idle_timeout_minutes": 0.1,
+    "docker": {},
+    "initialization_commands": [],
+    "setup_commands": [],
+    "head_setup_commands": [],
+    "worker_setup_commands": [],
+    "head_start_ray_commands": [],
+    "worker_start_ray_commands": [],
+    "file_mounts": {},
+    "cluster_synced_files": [],
+    "file_mounts_sync_continuously": False,
+    "rsync_exclude": [],
+    "rsync_filter": [],
+}
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live (not zombie) processes of session ``sid``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(d.name))
+    return pids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_types(max_workers: int, cpus: float = 1, object_store_mb: int = 100) -> dict:
+    """One worker node type for model replicas: ``cpus`` CPUs and one ``replica_node`` each."""
+    return {
+        WORKER_TYPE: {
+            "resources": {"CPU": cpus, REPLICA_RESOURCE: 1, "object_store_memory": object_store_mb * 2**20},
+            "node_config": {},
+            "min_workers": 0,
+            "max_workers": max_workers,
+        }
+    }
+
+
+class SimulatedCluster(AutoscalingCluster):
+    """``ray.cluster_utils.AutoscalingCluster`` (the real autoscaler over the fake multi-node provider),
+    started so that it can share a machine with other Ray instances.
+
+    AutoscalingCluster's ``start`` and ``shutdown`` run ``ray stop --force``, which kills every Ray
+    process on the machine, another user's cluster included, and its config template is missing from
+    Ray's wheel. This one builds the same config from :data:`FAKE_TEMPLATE`, starts the head with
+    ``ray start --head --block`` on ports and a temp dir of its own (the provider's worker nodes join
+    that GCS), and on shutdown stops exactly the processes descended from that command. Without
+    ``worker_node_types`` it is a plain head with no autoscaler (``serve deploy`` needs only a
+    dashboard). Use it as a context manager; ``address`` is the GCS address for ``ray.init``.
+    """
+
+    def __init__(
+        self,
+        head_resources: dict,
+        worker_node_types: dict | None = None,
+        *,
+        dashboard: bool = False,
+        env: dict | None = None,
+        cwd: str | Path | None = None,
+        **config_kwargs,
+    ):
+        from ray._private.services import get_node_ip_address
+
+        self.ip = get_node_ip_address()
+        self.gcs_port = free_port()
+        self.dashboard_port = free_port() if dashboard else None
+        self.metrics_port = free_port()  # Ray's Prometheus endpoint on the head (/metrics)
+        self.env = dict(env or {})
+        self.cwd = cwd  # the head's Ray adds its own working directory to every worker's sys.path
+        self.autoscaling = bool(worker_node_types)
+        self.proc: subprocess.Popen | None = None
+        self.temp_dir: str | None = None
+        super().__init__(dict(head_resources), dict(worker_node_types or {}), **config_kwargs)
+
+    @property
+    def address(self) -> str:
+        return f"{self.ip}:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def _generate_config(self, head_resources, worker_node_types, autoscaler_v2=False, **config_kwargs):
+        config = json.loads(json.dumps(FAKE_TEMPLATE))
+        config["provider"]["gcs_address"] = self.address  # the worker nodes join this head, not 6379
+        config["available_node_types"] = {
+            **worker_node_types,
+            "ray.head.default": {"resources": head_resources, "node_config": {}, "max_workers": 0},
+        }
+        config.update(config_kwargs)
+        return config
+
+    def start(self, _system_config=None, override_env=None, timeout_s: float = 90.0) -> str:
+        # a short path: Ray's socket paths under it must stay within the 107-byte limit
+        self.temp_dir = tempfile.mkdtemp(prefix="ray-sim-")
+        res = dict(self._head_resources)
+        ray_bin = str(Path(sys.executable).with_name("ray"))
+        cmd = [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            f"--port={self.gcs_port}",
+            f"--temp-dir={self.temp_dir}",
+            f"--num-cpus={res.pop('CPU', 0)}",
+            f"--num-gpus={res.pop('GPU', 0)}",
+            f"--object-store-memory={res.pop('object_store_memory', 200 * 2**20)}",
+            f"--ray-client-server-port={free_port()}",
+            f"--node-manager-port={free_port()}",
+            f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={self.metrics_port}",
+        ]
+        if res:
+            cmd.append(f"--resources={json.dumps(res)}")
+        if self.dashboard_port:
+            cmd += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
+        else:
+            cmd.append("--include-dashboard=false")
+        if self.autoscaling:
+            config = Path(self.temp_dir) / "autoscaling.json"
+            config.write_text(json.dumps(self._config))
+            cmd.append(f"--autoscaling-config={config}")
+        if _system_config is not None:
+            cmd.append(f"--system-config={json.dumps(_system_config, separators=(',', ':'))}")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(
+            AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1"
+        )
+        env.setdefault("RAY_AUTH_MODE", "disabled")
+        env.update(self.env, **(override_env or {}))
+        self.log = Path(self.temp_dir) / "ray-start.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                text = self.log.read_text()
+                self.shutdown()
+                raise RuntimeError(f"ray start failed (rc {self.proc.returncode}):\n{text[-4000:]}")
+            time.sleep(0.5)
+        return self.address
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the head (``ray start --block`` stops its own processes on SIGTERM), then whatever else
+        is left of its process session: the worker nodes' raylets and workers, which the autoscaler
+        started (no Ray process calls setsid, so all of them stay in the session ``start`` opened)."""
+        if self.proc is not None:
+            sid = self.proc.pid
+            if self.proc.poll() is None:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+                left = session_pids(sid)
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                end = time.monotonic() + grace
+                while session_pids(sid) and time.monotonic() < end:
+                    time.sleep(0.2)
+            self.proc = None
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+    def __enter__(self) -> SimulatedCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def alive_nodes() -> int:
+    """Nodes of the connected cluster that are alive (the head counts)."""
+    import ray
+
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
+def replica_states(app: str, deployment: str = MODEL_DEPLOYMENT) -> dict[str, int]:
+    """``{"RUNNING": 2, "STARTING": 1, ...}`` of the app's model deployment."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None or deployment not in status.deployments:
+        return {}
+    return {getattr(k, "value", str(k)): v for k, v in status.deployments[deployment].replica_states.items()}
+
+
+@contextlib.contextmanager
+def serve_on(address: str, config: dict, name: str, deploy_timeout_s: float = 180.0):
+    """The app ``build_app(config)`` on the cluster at ``address``, Serve's HTTP proxy on the head
+    only; yields its base URL. Blocks until the app runs (its first replica may wait for a node)."""
+    import ray
+    from ray import serve
+
+    from ..serving import build_app
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        errors: list[BaseException] = []
+
+        def deploy() -> None:
+            try:
+                serve.run(build_app(config), name=name, route_prefix="/")
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+                errors.append(e)
+
+        # serve.run waits for the app without a deadline; a replica no node can hold would wait forever
+        deployer = threading.Thread(target=deploy, daemon=True)
+        deployer.start()
+        deployer.join(deploy_timeout_s)
+        if errors:
+            raise errors[0]
+        if deployer.is_alive():
+            raise TimeoutError(f"{name} not running after {deploy_timeout_s:.0f} s: {replica_states(name)}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+def app_config(
+    *,
+    max_replicas: int,
+    target_ongoing: float,
+    drafter: str = "none",
+    dtype: str = "bfloat16",
+    max_tokens: int = 32,
+    downscale_delay_s: float = 8.0,
+) -> dict:
+    """Our app with replica autoscaling from 1 to ``max_replicas``, each replica on a worker node."""
+    return {
+        "model": "default",
+        "dtype": dtype,
+        "drafter": drafter,
+        "suffix_actor": False,
+        "max_batch": 2,
+        "reuse_slots": 0,
+        "max_model_len": 1024,
+        "max_tokens": max_tokens,
+        "torch_threads": 1,
+        "autoscaling_config": {
+            "min_replicas": 1,
+            "max_replicas": max_replicas,
+            "target_ongoing_requests": target_ongoing,
+            "look_back_period_s": 4.0,
+            "upscale_delay_s": 2.0,
+            "downscale_delay_s": downscale_delay_s,
+        },
+        "ray_actor_options": {"num_cpus": 0.5, "resources": {REPLICA_RESOURCE: 1}},
+        "ingress_ray_actor_options": {"num_cpus": 0.1},
+        "graceful_shutdown_timeout_s": 20.0,
+    }
+
+
+@dataclass
+class Call:
+    start: float  # seconds since the driver started
+    end: float
+    outcome: str  # ok | rejected (a 503 with Retry-After) | failed
+    error: str = ""
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+
+class LoadDriver:
+    """``threads`` clients, of which the first ``concurrency`` each send one request after another
+    (``run_load`` with one request: a random mix of chat / completion, streamed or not, greedy or
+    sampled, every stream checked for its finish reason and ``[DONE]``). ``concurrency`` may change
+    while it runs. A request that stalls for ``timeout_s`` fails; a client still stuck after
+    ``stop``'s grace period is counted in ``hung``."""
+
+    def __init__(self, url: str, threads: int, *, prompts: list, max_tokens: int, timeout_s: float = 120.0):
+        self.url, self.prompts, self.max_tokens, self.timeout_s = url, prompts, max_tokens, timeout_s
+        self.concurrency = 0
+        self.calls: list[Call] = []
+        self.hung = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(threads)]
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def start(self, concurrency: int) -> LoadDriver:
+        self.concurrency = concurrency
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _client(self, i: int) -> None:
+        k = 0
+        while not self._stop.is_set():
+            if i >= self.concurrency:
+                time.sleep(0.05)
+                continue
+            k += 1
+            t0 = self.now()
+            try:
+                res = asyncio.run(
+                    run_load(
+                        self.url,
+                        concurrency=1,
+                        requests=1,
+                        max_tokens=self.max_tokens,
+                        disconnect_share=0.0,
+                        prompts=self.prompts,
+                        seed=i * 100_000 + k,
+                        timeout_s=self.timeout_s,
+                    )
+                )
+                outcome = "ok" if res.ok else "rejected" if res.rejected else "failed"
+                error = "; ".join(res.errors) or ", ".join(res.reject_codes)
+            except Exception as e:  # noqa: BLE001 - counted, never stops the run
+                outcome, error = "failed", f"{type(e).__name__}: {e}"
+            with self._lock:
+                self.calls.append(Call(t0, self.now(), outcome, error))
+
+    def stop(self, grace_s: float | None = None) -> list[Call]:
+        """Stop sending; wait for the requests in flight (a hung one counts in ``hung``)."""
+        self._stop.set()
+        deadline = time.monotonic() + (grace_s if grace_s is not None else self.timeout_s + 10)
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.hung = sum(t.is_alive() for t in self._threads)
+        return sorted(self.calls, key=lambda c: c.start)
+
+
+def phase_stats(calls: list[Call], start: float, end: float) -> dict:
+    """Requests that started in [start, end): served, rejected, failed, latency p50 / p99."""
+    xs = [c for c in calls if start <= c.start < end]
+    lat = sorted(c.latency for c in xs if c.outcome == "ok")
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(round(q * (len(lat) - 1))))] if lat else float("nan")
+
+    return {
+        "requests": len(xs),
+        "ok": sum(c.outcome == "ok" for c in xs),
+        "rejected": sum(c.outcome == "rejected" for c in xs),
+        "failed": sum(c.outcome == "failed" for c in xs),
+        "errors": sorted({c.error for c in xs if c.outcome != "ok"}),
+        "p50": statistics.median(lat) if lat else float("nan"),
+        "p99": pct(0.99),
+    }
+
+
+# ------------------------------------------------------------------------------------------ the benchmark
+APP = "hvd-cluster"
+
+
+def bench_cluster(args) -> str:
+    """A load ramp (low, then high until the replicas reach ``--max-replicas`` and for ``--hold-s``
+    more, then low until the app is back at one replica and the cluster at its first node count)
+    against the autoscaling app on a simulated cluster; replicas and nodes sampled every second."""
+    from .load import real_prompts
+
+    max_rep = args.max_replicas
+    low, high = min(args.concurrency), max(args.concurrency)
+    drafter = (args.drafters or ["none"])[0]
+    target = args.target_ongoing
+    cfg = app_config(
+        max_replicas=max_rep, target_ongoing=target, drafter=drafter, dtype=args.dtype, max_tokens=args.max_tokens
+    )
+    prompts = real_prompts(8, max_chars=1500)
+    t_job = time.perf_counter()
+    samples: list[tuple[float, int, int, int, int]] = []  # (t, clients, running replicas, starting, nodes)
+    marks: dict[str, float] = {}
+    with SimulatedCluster({"CPU": 2}, worker_types(max_rep)) as cluster:
+        with serve_on(cluster.address, cfg, APP) as url:
+            load = LoadDriver(url, high, prompts=prompts, max_tokens=args.max_tokens)
+            first_nodes = alive_nodes()
+
+            def sample() -> tuple[int, int]:
+                st = replica_states(APP)
+                running, nodes = st.get("RUNNING", 0), alive_nodes()
+                samples.append((load.now(), load.concurrency, running, sum(st.values()) - running, nodes))
+                print(f"[cluster] {samples[-1]}", flush=True)
+                return running, nodes
+
+            def until(cond, timeout: float) -> None:
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    if cond(*sample()):
+                        return
+                    time.sleep(1.0)
+
+            load.start(low)
+            marks["base"] = load.now()
+            until(lambda r, n: False, args.base_s)
+            load.concurrency = high
+            marks["up"] = load.now()
+            until(lambda r, n: r >= max_rep, 300)
+            marks["scaled up"] = load.now()
+            until(lambda r, n: False, args.hold_s)
+            load.concurrency = low
+            marks["down"] = load.now()
+            until(lambda r, n: r <= 1 and n <= first_nodes, 240)
+            marks["scaled down"] = load.now()
+            until(lambda r, n: False, 5)
+            marks["end"] = load.now()
+            calls = load.stop()
+    wall = time.perf_counter() - t_job
+    phases = [
+        ("base", "base", "up", low),
+        ("scale-up (high load until all replicas run)", "up", "scaled up", high),
+        ("hold (all replicas)", "scaled up", "down", high),
+        ("scale-down (low load until one replica, first node count)", "down", "end", low),
+    ]
+    peak_nodes = max(s[4] for s in samples)
+    lines = [
+        "# Serve autoscaling on a simulated multi-node cluster",
+        "",
+        f"Command: `{command('jobs/benchmark.py')}`  ",
+        f"Date: {time.strftime('%Y-%m-%d')}; CPU: {cpu_name()}; {versions().split(', arctic')[0]}  ",
+        f"Machine: {machine_line()}  ",
+        f"Setup: Ray's autoscaler over its fake multi-node provider on this one machine "
+        f"(`hvd_ray/bench/cluster.py`): a head (2 CPUs: Serve's controller, its HTTP proxy, the ingress) "
+        f"and up to {max_rep} worker nodes of 1 CPU and one `{REPLICA_RESOURCE}` each, idle ones removed "
+        f"after 6 s. Our app: SmolLM2-135M-Instruct {DTYPE_NAMES[args.dtype]}, drafter `{drafter}`, "
+        f"`max_batch` 2, one torch thread per replica, each replica needing one `{REPLICA_RESOURCE}` "
+        f"(so it runs on a worker node); `autoscaling_config` 1-{max_rep} replicas, "
+        f"`target_ongoing_requests` {target}, upscale delay 2 s, downscale delay 8 s. Load: the load "
+        f"driver's mix (chat and completions, half streamed, half sampled; short real prompts), "
+        f"{args.max_tokens} tokens at most, {low} client(s), then {high}, then {low}; whole job {wall:.0f} s.",
+        "",
+        f"Scale-up: {high} clients from {marks['up']:.0f} s; {max_rep} replicas running "
+        f"{marks['scaled up'] - marks['up']:.0f} s later, nodes {first_nodes} -> {peak_nodes}. Scale-down: "
+        f"{low} client(s) from {marks['down']:.0f} s; one replica and {first_nodes} nodes again "
+        f"{marks['scaled down'] - marks['down']:.0f} s later.",
+        "",
+        "Requests by the phase they started in (failed: an error status, a broken stream or a stall; "
+        "rejected: a 503 with Retry-After):",
+        "",
+        "| phase | s | clients | requests | served | rejected | failed | p50 s | p99 s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    total_bad = 0
+    for name, a, b, clients in phases:
+        st = phase_stats(calls, marks[a], marks[b])
+        total_bad += st["failed"] + st["rejected"]
+        lines.append(
+            f"| {name} | {marks[a]:.0f}-{marks[b]:.0f} | {clients} | {st['requests']} | {st['ok']} | "
+            f"{st['rejected']} | {st['failed']} | {st['p50']:.2f} | {st['p99']:.2f} |"
+        )
+    errors = sorted({c.error for c in calls if c.outcome != "ok"})
+    lines += [
+        "",
+        f"Clients stuck at the end: {load.hung}." + (f" Errors: {'; '.join(errors)[:600]}." if errors else ""),
+        "",
+        "Replicas and nodes over time (a row at every change, and every 10 s; starting = replicas "
+        "placed or loading the model, including those waiting for a node):",
+        "",
+        "| t s | clients | replicas running | starting | nodes alive | requests finished since the last row |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    last_row, last_key = -1e9, None
+    for i, (t, c, r, s, n) in enumerate(samples):
+        key = (c, r, s, n)
+        if key != last_key or t - last_row >= 10 or i == len(samples) - 1:
+            done = sum(1 for x in calls if last_row < x.end <= t) if last_key is not None else 0
+            lines.append(f"| {t:.0f} | {c} | {r} | {s} | {n} | {done} |")
+            last_row, last_key = t, key
+    if total_bad or load.hung:
+        print(f"[cluster] WARNING: {total_bad} requests failed or were rejected, {load.hung} hung", file=sys.stderr)
+    return "\n".join(lines) + "\n"
+
+
+__all__ = [
+    "Call",
+    "LoadDriver",
+    "SimulatedCluster",
+    "alive_nodes",
+    "app_config",
+    "bench_cluster",
+    "phase_stats",
+    "replica_states",
+    "serve_on",
+    "worker_types",
+]
