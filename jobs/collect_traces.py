@@ -4,7 +4,8 @@ Prompts come from a packaged workload (``--workload``, ``--split``, ``--limit``)
 (``--prompts FILE``, JSONL or parquet), are rendered with the model's chat template and tokenized
 on the driver, then flow through ``map_batches`` over a fixed pool of engine actors (each loads the
 model once and generates a whole batch at a time, greedily). The driver writes the rows as
-``part-<uuid>.parquet`` files into ``--out`` (temp name + rename: only complete parts exist).
+``part-<uuid>.parquet`` files into ``--out`` (temp name + rename: only complete parts exist), a local
+path or a storage URI (``file:///...``, ``s3://bucket/prefix``; ``hvd_ray/traces/storage.py``).
 
 Re-running with the same ``--out`` resumes: prompts already in a part file are skipped, so a
 crashed or extended run (``--limit 100`` after ``--limit 50``) never loses or duplicates a trace.
@@ -19,6 +20,9 @@ crashed or extended run (``--limit 100`` after ``--limit 50``) never loses or du
     ray job submit --address http://127.0.0.1:8265 --working-dir . \\
         --runtime-env-json '{"excludes": [".venv", ".git"]}' -- \\
         python jobs/collect_traces.py --workload all --limit 500 --out /data/traces/all --actors 4 --num-gpus 1
+
+    # traces into an object store every node can reach (credentials as pyarrow's S3 reads them)
+    python jobs/collect_traces.py --workload all --limit 500 --out s3://bucket/hvd/traces/all --actors 4
 
     # user prompts, DIMR calibration log-probs, fp32
     python jobs/collect_traces.py --prompts my.jsonl --out /data/traces/mine --topk-logprobs 20 --dtype float32
@@ -41,14 +45,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import signal
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from hvd_ray.traces import storage
 from hvd_ray.traces.collect import TraceActor
 from hvd_ray.traces.errors import CollectError
 from hvd_ray.traces.generators import BACKENDS, ENGINE_HEADROOM, check_backend
@@ -83,7 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the same split; agent-loop traces), after the first turns in arrival order",
     )
     ap.add_argument(
-        "--out", required=True, help="output directory of parquet part files (absolute under ray job submit)"
+        "--out",
+        required=True,
+        help="output folder of parquet part files: a path (absolute under ray job submit) or a storage URI "
+        "(file:///..., s3://bucket/prefix)",
     )
     ap.add_argument("--model", default="default", help="model name or local HF safetensors folder")
     ap.add_argument("--backend", choices=BACKENDS, default="hvd_ray")
@@ -144,6 +152,8 @@ def start_ray(args):
     import ray
 
     address = args.address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():  # called from Python that already joined a cluster
+        return "joined " + (address or "the running Ray")
     if address:
         ray.init(address=address, log_to_driver=True)
         return "joined " + address
@@ -155,7 +165,7 @@ def start_ray(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out).expanduser().resolve()
+    out = storage.normalize(args.out)
     t_start = time.perf_counter()
     try:
         check_backend(args.backend, args.vllm_python)
@@ -196,6 +206,7 @@ def main(argv=None) -> int:
         return 2
 
     tokens = 0
+    by_node: dict[str, int] = {}  # rows generated per Ray node
     t_gen = time.perf_counter()
     # `ray job stop` and schedulers send SIGTERM: exit through `finally` so buffered traces are written
     old_term = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -244,10 +255,14 @@ def main(argv=None) -> int:
             t_gen = time.perf_counter()
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 tokens += sum(len(o) for o in batch.column("output_tokens").to_pylist())
+                if "node_id" in batch.column_names:
+                    for node in batch.column("node_id").to_pylist():
+                        by_node[node] = by_node.get(node, 0) + 1
                 part = writer.add(batch)
                 if part is not None:
                     print(
-                        f"collect_traces: wrote {part.name} ({writer.rows_written}/{len(p.todo)} new traces)",
+                        f"collect_traces: wrote {posixpath.basename(part)} "
+                        f"({writer.rows_written}/{len(p.todo)} new traces)",
                         flush=True,
                     )
     except CollectError as e:
@@ -267,6 +282,7 @@ def main(argv=None) -> int:
         "tok_per_s": round(tokens / dt, 1) if dt > 0 and tokens else 0.0,
         "traces_in_out": total,
         "parts": len(writer.files),
+        "rows_by_node": by_node,
         "wall_s": round(time.perf_counter() - t_start, 2),
     }
     print(

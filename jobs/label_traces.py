@@ -5,7 +5,9 @@
 
 Pipeline: traces (pyarrow, sorted by ``seq``) -> ``ray.data.from_arrow`` in blocks of ``--chunk``
 traces -> ``map_batches(TraceLabeler, ActorPoolStrategy)`` -> ``write_parquet(out)``
-(``hvd_ray/traces/labels.py`` schema), plus ``out/_labels_meta.json`` (feature spec, replay settings, row counts).
+(``hvd_ray/traces/labels.py`` schema), plus ``out/_labels_meta.json`` (feature spec, replay settings, row counts,
+the traces each Ray node labelled). ``--traces`` and ``--out`` are paths or storage URIs (``file:///...``,
+``s3://bucket/prefix``): on a cluster, one every node reaches.
 
 The global suffix tree of a trace must hold the outputs of every *earlier* trace (smaller ``seq``),
 so each actor reads every trace's output once, and labels its batches in ``seq`` order, adding the
@@ -31,8 +33,8 @@ from hvd_ray.traces.labeler import ReplayConfig, label_traces_ray
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", required=True, help="trace parquet folder (collect_traces output)")
-    ap.add_argument("--out", required=True, help="label parquet folder to write")
+    ap.add_argument("--traces", required=True, help="trace parquet folder or URI (collect_traces output)")
+    ap.add_argument("--out", required=True, help="label parquet folder or URI to write")
     ap.add_argument("--model", default="default", help="target model name or folder")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     ap.add_argument("--dtype", default="float32")

@@ -4,7 +4,9 @@
 batched generation) with the ``hvd_ray`` backend (our :class:`~hvd_ray.engine.Engine`) or the
 optional ``vllm`` one (``generators.py``). The driver does the rest: the prompts' token rows
 (``prompts.py``), the model's revision (``model_info.py``), what a folder already holds
-(``resume.py``) and the part files (``store.py``); only the driver writes files.
+(``resume.py``) and the part files (``store.py``); only the driver writes files. Each batch also
+carries the ``node_id`` of the Ray node that generated it (dropped before writing), so the job
+can say where its work ran.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class TraceActor:
             **extra,
         )
         self.max_tokens = int(decoding["max_tokens"])
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self.fixed = {
             "model_id": model_id,
             "model_revision": model_revision,
@@ -87,4 +92,5 @@ class TraceActor:
             }
             for r, g in zip(rows, gens)
         ]
-        return pa.Table.from_pylist(out, schema=TRACE_SCHEMA)
+        table = pa.Table.from_pylist(out, schema=TRACE_SCHEMA)
+        return table.append_column("node_id", pa.array([self.node_id] * table.num_rows, pa.string()))

@@ -5,6 +5,8 @@ The global suffix tree of a trace must hold the outputs of every *earlier* trace
 so each actor reads every trace's output once and labels its batches in ``seq`` order, adding the
 earlier outputs it has not seen yet (``replay.GlobalReplay``). Ray Data gets blocks that are
 contiguous runs of ``seq``: one global-tree build per block at most, and blocks label in parallel.
+The trace and label folders are local paths or storage URIs (``storage.py``): the labelers read the
+traces and Ray Data's write tasks (fused into them) write the labels wherever they run.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 import torch
@@ -24,10 +25,13 @@ from ..drafters.suffix import SuffixConfig
 from ..selection.features import SPEC, VocabFlags
 from ..selection.policy import Policy, ScoreRule
 from ..workloads.turns import is_second_turn
+from . import storage
 from .labels import LABEL_VERSION, META_FILE, columns_to_table, label_schema
 from .model_labels import model_drafter_labels
 from .records import Trace, read_trace_table, traces_from_table
 from .replay import GlobalReplay, budgets_for, replay_trace
+
+STATS_DIR = "_labelers"  # the labelers' counters while a run lasts ("_": parquet readers skip it)
 
 
 @dataclass
@@ -77,10 +81,12 @@ class ReplayConfig:
 class TraceLabeler:
     """Labels batches of traces (``TRACE_SCHEMA`` pyarrow tables) -> ``LABEL_SCHEMA`` tables.
 
-    ``traces_dir`` is read once for the global history (every trace's ``seq`` and output).
+    ``traces_dir`` (a path or storage URI) is read once for the global history (every trace's ``seq``
+    and output). With ``stats_dir`` each labeler keeps its own counters there (``<node>-<pid>.json``:
+    its Ray node, traces, positions, seconds), so the job can say where its work ran.
     """
 
-    def __init__(self, traces_dir: str, config: dict | ReplayConfig | None = None):
+    def __init__(self, traces_dir: str, config: dict | ReplayConfig | None = None, stats_dir: str | None = None):
         cfg = config if isinstance(config, ReplayConfig) else ReplayConfig(**(config or {}))
         self.cfg = cfg
         torch.set_num_threads(max(1, cfg.threads))
@@ -113,6 +119,13 @@ class TraceLabeler:
         self.flags = VocabFlags.from_tokenizer(AutoTokenizer.from_pretrained(tok_path), vocab)
         self.sim = self._make_sim()
         self.stats = {"traces": 0, "positions": 0, "cache_s": 0.0, "model_s": 0.0}
+        self.stats_file = None
+        if stats_dir is not None:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+            self.stats = {"node": node, **self.stats}
+            self.stats_file = storage.join(stats_dir, f"{node[:16]}-{os.getpid()}.json")
 
     def _make_drafter(self):
         cfg, m = self.cfg, self.model
@@ -219,6 +232,8 @@ class TraceLabeler:
         for tr in traces_from_table(batch):
             for k, v in self.label(tr).items():
                 merged.setdefault(k, []).extend(v)
+        if self.stats_file is not None:
+            storage.write_text(self.stats_file, json.dumps(self.stats))
         if not merged:
             return label_schema(SPEC.to_json()).empty_table()
         return columns_to_table(merged)
@@ -242,7 +257,8 @@ def label_traces_ray(
     address: str | None = None,
 ) -> dict:
     """Label every trace of ``traces_dir`` on Ray Data: blocks of ``chunk`` traces through a pool of
-    ``actors`` labelers, written as parquet into ``out`` with ``_labels_meta.json`` (returned).
+    ``actors`` labelers, written as parquet into ``out`` with ``_labels_meta.json`` (returned; its
+    ``workers`` say which Ray node labelled how many traces). Both folders are paths or storage URIs.
 
     Starts Ray when it is not running: joins ``address`` or ``$RAY_ADDRESS``, else a fresh local
     instance. The rows equal :func:`label_traces_local`'s.
@@ -250,7 +266,10 @@ def label_traces_ray(
     import pyarrow.parquet as pq
     import ray
 
-    traces, out = str(Path(traces_dir).resolve()), Path(out).resolve()
+    traces, out = storage.normalize(traces_dir), storage.normalize(out)
+    fs, out_path = storage.resolve(out)
+    stats_dir = storage.join(out, STATS_DIR)
+    _take_stats(stats_dir)  # an interrupted run's counters are not this run's
     config = config if isinstance(config, ReplayConfig) else ReplayConfig(**config)
     if not ray.is_initialized():
         ray.init(
@@ -263,16 +282,17 @@ def label_traces_ray(
     blocks = [table.slice(i, chunk) for i in range(0, table.num_rows, chunk)]
     ds = ray.data.from_arrow(blocks).map_batches(
         TraceLabeler,
-        fn_constructor_kwargs={"traces_dir": traces, "config": dataclasses.asdict(config)},
+        fn_constructor_kwargs={"traces_dir": traces, "config": dataclasses.asdict(config), "stats_dir": stats_dir},
         batch_size=None,  # one batch per block: one seq run per call
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=num_cpus,
         num_gpus=num_gpus or None,
     )
-    ds.write_parquet(str(out))
+    ds.write_parquet(out_path, filesystem=fs)
     elapsed = time.time() - t0
-    table = pq.ParquetDataset(str(out)).read(columns=["seq", "regime"])
+    workers = _take_stats(stats_dir)
+    table = pq.ParquetDataset(out_path, filesystem=fs).read(columns=["seq", "regime"])
     meta = {
         "label_version": LABEL_VERSION,
         "feature_spec": SPEC.to_dict(),
@@ -283,6 +303,19 @@ def label_traces_ray(
         "traces": len(set(table.column("seq").to_pylist())),
         "rows_by_regime": {r: table.column("regime").to_pylist().count(r) for r in ("cold", "agent", "repeat")},
         "elapsed_s": round(elapsed, 2),
+        "workers": sorted(workers, key=lambda w: (w["node"], -w["traces"])),
     }
-    (out / META_FILE).write_text(json.dumps(meta, indent=1))
+    storage.write_text(storage.join(out, META_FILE), json.dumps(meta, indent=1))
     return meta
+
+
+def _take_stats(stats_dir: str) -> list[dict]:
+    """The labelers' counters in ``stats_dir`` (one file each), removing the folder."""
+    fs, path = storage.resolve(stats_dir)
+    out = []
+    for f in storage.files(stats_dir, "*.json"):
+        with fs.open_input_stream(f) as fh:
+            out.append(json.loads(fh.read()))
+    if storage.is_dir(stats_dir):
+        fs.delete_dir(path)
+    return out

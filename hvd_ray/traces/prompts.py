@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from . import storage
 from .errors import CollectError
 from .store import read_traces
 
@@ -32,8 +32,7 @@ def second_turns(prompts: Sequence[Any], out: str | os.PathLike, tokenizer: Any)
     """The second turns (``workloads.turns.second_turn``) of the ``prompts`` traced in ``out``."""
     from ..workloads.turns import second_turn
 
-    out = Path(out)
-    if not out.is_dir():
+    if not storage.is_dir(out):
         return []
     done = read_traces(out, ["prompt_id", "output_tokens"]).to_pydict()
     answer = dict(zip(done["prompt_id"], done["output_tokens"]))

@@ -1,5 +1,6 @@
-"""Resuming a collection: what a trace folder already holds, what is left, and a refusal to mix
-collections (another model, backend, decoding setup or prompt order) in one folder."""
+"""Resuming a collection: what a trace folder (a local path or a storage URI) already holds, what is
+left, and a refusal to mix collections (another model, backend, decoding setup or prompt order) in
+one folder."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from . import storage
 from .errors import CollectError
 from .schema import TRACE_SCHEMA
 from .store import read_traces
@@ -43,7 +44,7 @@ def plan(
     """
     existing = (
         read_traces(out_dir, ["prompt_id", "seq", "model_revision", "backend", "decoding"])
-        if Path(out_dir).is_dir()
+        if storage.is_dir(out_dir)
         else TRACE_SCHEMA.empty_table()
     )
     where = f"{out_dir} already holds traces"

@@ -7,12 +7,18 @@
 * model: ``StandardScaler`` + ``MLPRegressor`` (ReLU, squared error; paper: 2x256), a small grid
   over size / alpha / learning rate chosen on validation MSE (``grid="paper"`` fits only 2x256);
 * artifact: ``predictor.npz`` + ``predictor.json`` (``hvd_ray.selection.predictor.YieldPredictor``);
-  the report (``predictor_report.py``) scores the artifact as served.
+  the report (``predictor_report.py``) scores the artifact as served;
+* where: the label folders and ``out`` are paths or storage URIs (``traces/storage.py``); with
+  ``ray`` the grid's configurations are Ray Tune trials spread over the cluster (each reports the
+  node that fitted it), Tune's ``storage_path`` under ``out`` (or ``storage``), and the winner is
+  refitted here with the same seed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +32,7 @@ from ..selection.cost_policy import CostPolicy
 from ..selection.features import SPEC, FeatureSpec
 from ..selection.policy import AlwaysCache, AlwaysModel, OraclePolicy, ScoreRule, TauPolicy
 from ..selection.predictor import YieldPredictor
+from ..traces import storage
 from ..traces.labels import META_FILE, SPEC_KEY, with_regime
 from ..traces.simulate import simulate, trace_labels_from_table
 from ..workloads import conversation_id
@@ -43,8 +50,8 @@ GRID = [
 class TrainConfig:
     """The options of a training run (``jobs/train_predictor.py``'s flags, same names and defaults)."""
 
-    labels: list[str]  # label parquet folders
-    out: str  # artifact folder to write
+    labels: list[str]  # label parquet folders (paths or storage URIs)
+    out: str  # artifact folder to write (a path or a storage URI)
     tau: float = 6.0
     positions: str = "all"  # all | steps
     grid: str = "small"  # small | paper
@@ -54,16 +61,21 @@ class TrainConfig:
     test_size: float = 0.2  # trace fraction for test when splitting here
     importance_rows: int = 4000
     seed: int = 0
+    ray: bool = False  # fit the grid as Ray Tune trials over the cluster (else one after another here)
+    address: str | None = None  # Ray to join with ``ray`` (default: $RAY_ADDRESS, else a local one)
+    cpus_per_trial: float = 1.0
+    storage: str | None = None  # Tune's storage_path (default: <out>/ray_tune)
 
 
 def load_labels(folders: list[str]) -> tuple[pa.Table, dict]:
     tables, metas = [], []
     for f in folders:
-        ds = pq.ParquetDataset(str(f))
+        fs, path = storage.resolve(f)
+        ds = pq.ParquetDataset(path, filesystem=fs)
         t = ds.read()
         raw = (ds.schema.metadata or {}).get(SPEC_KEY)
-        meta_path = Path(f) / META_FILE
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta_path = storage.join(f, META_FILE)
+        meta = json.loads(storage.read_text(meta_path)) if storage.files(f, META_FILE) else {}
         spec_d = meta.get("feature_spec") or (json.loads(raw) if raw else None)
         if spec_d is None:
             raise ValueError(f"{f}: no feature spec (neither {META_FILE} nor schema metadata)")
@@ -121,15 +133,88 @@ def trainable(t: pa.Table) -> tuple[np.ndarray, np.ndarray, pa.Table]:
     return phi_matrix(t).astype(np.float64), t.column("y_cache").to_numpy().astype(np.float64), t
 
 
-def train(opts: TrainConfig) -> dict:
-    """Train g_θ on the label folders, write the artifact and the report into ``opts.out`` and
-    return the report (module doc). Exits (``SystemExit``) when fewer than 10 rows can train it."""
-    from sklearn.inspection import permutation_importance
+def make_model(cfg: dict, opts: TrainConfig, rows: int):
+    """The scaler + MLP pipeline of one grid configuration."""
     from sklearn.neural_network import MLPRegressor
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    out = Path(opts.out)
+    return make_pipeline(
+        StandardScaler(),
+        MLPRegressor(
+            activation="relu",
+            solver="adam",
+            max_iter=opts.max_iter,
+            random_state=opts.seed,
+            early_stopping=rows >= 200,
+            n_iter_no_change=10,
+            **cfg,
+        ),
+    )
+
+
+def fit_config(cfg: dict, opts: TrainConfig, Xtr, ytr_fit, Xva, yva):
+    """Fit one grid configuration: (pipeline, its grid record with the validation MSE)."""
+    pipe = make_model(cfg, opts, len(ytr_fit)).fit(Xtr, ytr_fit)
+    vm = float(np.mean((pipe.predict(Xva) - yva) ** 2)) if len(yva) else float(pipe[-1].loss_)
+    rec = {
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+        "val_mse": vm,
+        "iters": int(pipe[-1].n_iter_),
+    }
+    return pipe, rec
+
+
+def tune_grid(grid: list[dict], opts: TrainConfig, Xtr, ytr_fit, Xva, yva) -> list[dict]:
+    """The grid's records, each configuration fitted by a Ray Tune trial somewhere on the cluster
+    (``node``: the Ray node that fitted it). The arrays travel through the object store; Tune's
+    results land under ``opts.storage`` (default ``<out>/ray_tune``), a path or a storage URI."""
+    import ray
+    from ray import tune
+
+    if not ray.is_initialized():
+        address = opts.address or os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, log_to_driver=False, include_dashboard=False)
+
+    def trial(config, Xtr=None, ytr_fit=None, Xva=None, yva=None):
+        _, rec = fit_config(grid[config["i"]], opts, Xtr, ytr_fit, Xva, yva)
+        tune.report({**rec, "i": config["i"], "node": ray.get_runtime_context().get_node_id()})
+
+    fs, path = storage.resolve(opts.storage or storage.join(opts.out, "ray_tune"))
+    tuner = tune.Tuner(
+        tune.with_resources(
+            tune.with_parameters(trial, Xtr=Xtr, ytr_fit=ytr_fit, Xva=Xva, yva=yva), {"cpu": opts.cpus_per_trial}
+        ),
+        param_space={"i": tune.grid_search(list(range(len(grid))))},
+        tune_config=tune.TuneConfig(reuse_actors=True),
+        run_config=tune.RunConfig(
+            name=time.strftime("predictor-grid-%Y%m%d-%H%M%S"), storage_path=path, storage_filesystem=fs, verbose=0
+        ),
+    )
+    results = tuner.fit()
+    recs = {r.metrics["i"]: r.metrics for r in results if not r.error and "val_mse" in (r.metrics or {})}
+    if len(recs) != len(grid):
+        raise RuntimeError(f"predictor grid: {len(grid) - len(recs)} of {len(grid)} Tune trials failed")
+    keys = [*grid[0], "val_mse", "iters", "node"]
+    return [{k: recs[i][k] for k in keys} for i in range(len(grid))]
+
+
+def train(opts: TrainConfig) -> dict:
+    """Train g_θ on the label folders, write the artifact and the report into ``opts.out`` (a path
+    or a storage URI) and return the report (module doc). Exits (``SystemExit``) when fewer than 10
+    rows can train it."""
+    fs, path = storage.resolve(opts.out)
+    if storage.is_local(fs):
+        return _train(opts, Path(path))
+    with tempfile.TemporaryDirectory(prefix="hvd-predictor-") as tmp:  # written here, then copied up
+        report = _train(opts, Path(tmp))
+        storage.upload(tmp, opts.out)
+    return report
+
+
+def _train(opts: TrainConfig, out: Path) -> dict:
+    from sklearn.inspection import permutation_importance
+
     out.mkdir(parents=True, exist_ok=True)
     table, lmeta = load_labels(opts.labels)
     splits = split_traces(table, opts.test_size, opts.seed)
@@ -144,37 +229,20 @@ def train(opts: TrainConfig) -> dict:
 
     ytr_fit = np.minimum(ytr, opts.clip_y) if opts.clip_y else ytr
 
-    def make(cfg):
-        early = len(ytr) >= 200
-        return make_pipeline(
-            StandardScaler(),
-            MLPRegressor(
-                activation="relu",
-                solver="adam",
-                max_iter=opts.max_iter,
-                random_state=opts.seed,
-                early_stopping=early,
-                n_iter_no_change=10,
-                **cfg,
-            ),
-        )
-
     grid = GRID if opts.grid == "small" else GRID[:1]
-    tried = []
-    best = None
     t0 = time.time()
-    for cfg in grid:
-        pipe = make(cfg).fit(Xtr, ytr_fit)
-        vm = float(np.mean((pipe.predict(Xva) - yva) ** 2)) if len(yva) else float(pipe[-1].loss_)
-        tried.append(
-            {
-                **{k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
-                "val_mse": vm,
-                "iters": int(pipe[-1].n_iter_),
-            }
-        )
-        if best is None or vm < best[0]:
-            best = (vm, cfg, pipe)
+    if opts.ray:
+        tried = tune_grid(grid, opts, Xtr, ytr_fit, Xva, yva)
+        best_i = min(range(len(grid)), key=lambda i: tried[i]["val_mse"])
+        pipe, _ = fit_config(grid[best_i], opts, Xtr, ytr_fit, Xva, yva)  # same data and seed: the trial's model
+        best = (tried[best_i]["val_mse"], grid[best_i], pipe)
+    else:
+        tried, best = [], None
+        for cfg in grid:
+            pipe, rec = fit_config(cfg, opts, Xtr, ytr_fit, Xva, yva)
+            tried.append(rec)
+            if best is None or rec["val_mse"] < best[0]:
+                best = (rec["val_mse"], cfg, pipe)
     train_s = time.time() - t0
     _, cfg, pipe = best
     scaler, mlp = pipe[0], pipe[-1]
