@@ -101,7 +101,7 @@ def test_collect_label_and_train_spread_over_two_nodes_on_a_storage_uri(cluster,
 
     tick(f"collected: {s['rows_by_node']}")
     label = _job("label_traces")
-    args = ["--traces", traces, "--out", labels, "--model-drafter", "none", "--chunk", "2", "--actors", "2"]
+    args = ["--traces", traces, "--out", labels, "--chunk", "2", "--actors", "2"]  # layerskip labels: the model
     meta = label.run(label.parse_args([*args, "--num-cpus", "0.5", "--address", c.address]))
     assert meta["traces"] == n and meta["rows"] > 0
     by_node = Counter()

@@ -6,7 +6,7 @@ so each actor reads every trace's output once and labels its batches in ``seq`` 
 earlier outputs it has not seen yet (``replay.GlobalReplay``). Ray Data gets blocks that are
 contiguous runs of ``seq``: one global-tree build per block at most, and blocks label in parallel.
 The trace and label folders are local paths or storage URIs (``storage.py``): the labelers read the
-traces and Ray Data's write tasks (fused into them) write the labels wherever they run.
+traces and Ray Data's write tasks write the labels, wherever they run.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .model_labels import model_drafter_labels
 from .records import Trace, read_trace_table, traces_from_table
 from .replay import GlobalReplay, budgets_for, replay_trace
 
+WRITE_CPUS = 0.25
 STATS_DIR = "_labelers"  # the labelers' counters while a run lasts ("_": parquet readers skip it)
 
 
@@ -285,11 +286,15 @@ def label_traces_ray(
         fn_constructor_kwargs={"traces_dir": traces, "config": dataclasses.asdict(config), "stats_dir": stats_dir},
         batch_size=None,  # one batch per block: one seq run per call
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=actors),
+        # a block is seconds to minutes of work: one at a time per actor, so an idle labeler takes
+        # the next block instead of it queueing behind a busy one
+        compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
         num_cpus=num_cpus,
         num_gpus=num_gpus or None,
     )
-    ds.write_parquet(out_path, filesystem=fs)
+    # writing a block's labels is I/O: a small CPU share lets the write tasks run beside labelers
+    # that fill their nodes
+    ds.write_parquet(out_path, filesystem=fs, ray_remote_args={"num_cpus": WRITE_CPUS})
     elapsed = time.time() - t0
     workers = _take_stats(stats_dir)
     table = pq.ParquetDataset(out_path, filesystem=fs).read(columns=["seq", "regime"])
