@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from hvd_ray.bench.cluster import SimulatedCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+ELSEWHERE = Path(tempfile.gettempdir())  # a directory outside the checkout (not on the workers' path)
 ENV = {
     **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
     "HF_HUB_OFFLINE": "1",
@@ -91,16 +93,17 @@ def until(cond, timeout: float, what: str, log: Path | None = None):
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(BIN / args[0]), *args[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+        [str(BIN / args[0]), *args[1:]], cwd=ELSEWHERE, env=ENV, capture_output=True, text=True, timeout=timeout
     )
 
 
 @pytest.fixture(scope="module")
 def head():
     """A Ray head of its own (``ray start --head --block``: own ports and temp dir, its dashboard for
-    ``serve deploy``), started from the repository root as an operator would."""
+    ``serve deploy``), started outside the checkout, as ``cluster.yaml``'s start commands do (from the
+    home directory): the config's application must come from the installed package."""
     env = {"HF_HUB_OFFLINE": "1", "RAY_metrics_report_interval_ms": "2000"}  # metrics reach /metrics sooner
-    with SimulatedCluster({"CPU": 2}, dashboard=True, env=env, cwd=ROOT) as cluster:
+    with SimulatedCluster({"CPU": 2}, dashboard=True, env=env, cwd=ELSEWHERE) as cluster:
         yield cluster
 
 
@@ -112,7 +115,7 @@ def test_serve_run_of_the_config_answers_and_stops_on_ctrl_c(head, tmp_path, def
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [str(BIN / "serve"), "run", str(config), "--address", head.address],
-            cwd=ROOT,
+            cwd=ELSEWHERE,
             env=ENV,
             stdout=out,
             stderr=subprocess.STDOUT,

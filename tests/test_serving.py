@@ -1139,7 +1139,7 @@ def test_config_and_builder():
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     import serve_app
-    from hvd_ray.serving import ServingConfig
+    from hvd_ray.serving import ServingConfig, build_app
 
     for bad in (
         {"tensor_parallel_size": 0},
@@ -1165,7 +1165,8 @@ def test_config_and_builder():
     from ray.serve.schema import ServeDeploySchema
 
     ServeDeploySchema.model_validate(conf)
-    assert conf["applications"][0]["import_path"] == "serve_app:app"
+    assert conf["applications"][0]["import_path"] == "hvd_ray.serving:build_app"  # importable from any directory
+    assert isinstance(call_user_app_builder_with_args_if_necessary(build_app, {"drafter": "none"}), Application)
     cfg = ServingConfig.model_validate(conf["applications"][0]["args"])
     assert cfg.autoscaling_config["max_replicas"] >= cfg.autoscaling_config["min_replicas"] >= 1
 
