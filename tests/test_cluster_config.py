@@ -42,9 +42,13 @@ def test_cluster_yaml_passes_ray_validation():
 
 
 def test_cluster_yaml_installs_this_package():
+    """Every node runs `make install` (the package, its pinned dependencies and the prompt datasets)
+    under a pinned Python, and Ray from the virtualenv it made."""
     cfg = _load()
     setup = " && ".join(cfg["setup_commands"])
-    assert "pip install" in setup and "-e ." in setup
+    assert "make install" in setup and "python install 3.11" in setup and "uv==" in setup
+    for cmd in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
+        assert "ray stop" in cmd or "~/hvd-ray/.venv/bin/ray start" in cmd, cmd
     assert any(Path(src) == Path(".") for src in cfg["file_mounts"].values()), "the repository is synced"
     assert ".venv" in cfg.get("rsync_exclude", []), "the local virtualenv is not uploaded"
 
@@ -101,3 +105,50 @@ def test_a_gpu_replica_asks_for_the_gpus_it_uses(args, gpus):
     reserves its own in the replica's placement group (``serving/tensor_parallel.py``): a TP = N
     replica then fits a node with N GPUs instead of asking for N + 1."""
     assert _replica_options(args).get("num_gpus") == gpus
+
+
+def test_cluster_yaml_offers_a_node_type_for_tensor_parallel_replicas():
+    """A node type with several GPUs, for a TP = N replica (its N rank bundles packed on one node)."""
+    from hvd_ray.serving.tensor_parallel import rank_bundles
+
+    types = _prepare_and_validate(_load())["available_node_types"]
+    multi = [t for t in types.values() if t["resources"].get("GPU", 0) >= 2]
+    assert multi, "no node type can hold a tensor-parallel replica"
+    for t in multi:
+        n = int(t["resources"]["GPU"])
+        _, bundles = rank_bundles(n, gpu=True)
+        assert sum(b["CPU"] for b in bundles) <= t["resources"]["CPU"] and t["max_workers"] >= 1
+
+
+def test_tp_rank_bundles_fit_a_node_with_as_many_gpus_and_no_fewer():
+    """On a simulated cluster (each raylet its own node; GPUs declared, not real): the bundles of a
+    TP = 4 CUDA replica, ``STRICT_PACK`` as ``TensorParallelEngine`` reserves them, are placed on the
+    node with 4 GPUs; TP = 2 cannot be placed over two 1-GPU nodes (``cluster.yaml``'s ``worker.gpu``)."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    from hvd_ray.serving.tensor_parallel import rank_bundles
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    four = cluster.add_node(num_cpus=8, num_gpus=4).node_id
+    for _ in range(2):
+        cluster.add_node(num_cpus=4, num_gpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        opts, bundles = rank_bundles(4, gpu=True)
+        assert opts["num_gpus"] == 1 and bundles == [{"CPU": 1, "GPU": 1}] * 4
+        pg = placement_group(bundles, strategy="STRICT_PACK")
+        ray.get(pg.ready(), timeout=60)
+        assert set(placement_group_table(pg)["bundles_to_node_id"].values()) == {four}
+        remove_placement_group(pg)
+        # the 4-GPU node busy, TP = 2 would have to span the two 1-GPU nodes: it must wait instead
+        hold = placement_group([{"GPU": 4}], strategy="STRICT_PACK")
+        ray.get(hold.ready(), timeout=60)
+        pg2 = placement_group(rank_bundles(2, gpu=True)[1], strategy="STRICT_PACK")
+        ready, _ = ray.wait([pg2.ready()], timeout=5)
+        assert not ready and placement_group_table(pg2)["state"] == "PENDING"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

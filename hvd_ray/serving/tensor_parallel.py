@@ -178,6 +178,19 @@ class TPWorker:
             dist.destroy_process_group()
 
 
+def rank_bundles(
+    world_size: int, gpu: bool, rank_options: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """Each rank actor's Ray options and the placement-group bundles reserved for them: one bundle
+    per rank, ``{"CPU": num_cpus}`` plus ``{"GPU": 1}`` on a GPU. Packed on one node (``STRICT_PACK``),
+    TP = N fits a node with N GPUs; the replica driving the ranks reserves no GPU of its own."""
+    opts = dict(rank_options or {"num_cpus": 1})
+    if gpu:
+        opts.setdefault("num_gpus", 1)
+    bundle = {"CPU": opts.get("num_cpus", 1)} | ({"GPU": opts["num_gpus"]} if opts.get("num_gpus") else {})
+    return opts, [dict(bundle) for _ in range(world_size)]
+
+
 class TensorParallelEngine:
     """The ``Engine`` interface over ``world_size`` :class:`TPWorker` rank actors.
 
@@ -209,12 +222,9 @@ class TensorParallelEngine:
             raise RuntimeError("TensorParallelEngine needs a running Ray (ray.init() first)")
         self.spec, self.world_size = spec, world_size
         self.tokenizer = load_tokenizer(folder)
-        gpu = parse_device(spec.device).type == "cuda"
-        opts = dict(rank_options or {"num_cpus": 1})
-        if gpu:
-            opts.setdefault("num_gpus", 1)
-        bundle = {"CPU": opts.get("num_cpus", 1)} | ({"GPU": opts["num_gpus"]} if opts.get("num_gpus") else {})
-        self._pg = ray.util.placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
+        opts, bundles = rank_bundles(world_size, parse_device(spec.device).type == "cuda", rank_options)
+        bundle = bundles[0]
+        self._pg = ray.util.placement_group(bundles, strategy=strategy)
         self.workers: list = []
         try:
             ready, _ = ray.wait([self._pg.ready()], timeout=reserve_timeout_s)
