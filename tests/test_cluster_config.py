@@ -98,6 +98,7 @@ def _replica_options(args: dict) -> dict:
         ({"device": "cuda"}, 1),  # the replica holds the model's GPU
         ({"device": "cuda", "tensor_parallel_size": 2}, None),  # its rank actors hold one each
         ({"device": "cpu"}, None),
+        ({"device": "auto"}, None),  # no Ray cluster with GPUs here: nothing to reserve
     ],
 )
 def test_a_gpu_replica_asks_for_the_gpus_it_uses(args, gpus):
@@ -123,7 +124,8 @@ def test_cluster_yaml_offers_a_node_type_for_tensor_parallel_replicas():
 def test_tp_rank_bundles_fit_a_node_with_as_many_gpus_and_no_fewer():
     """On a simulated cluster (each raylet its own node; GPUs declared, not real): the bundles of a
     TP = 4 CUDA replica, ``STRICT_PACK`` as ``TensorParallelEngine`` reserves them, are placed on the
-    node with 4 GPUs; TP = 2 cannot be placed over two 1-GPU nodes (``cluster.yaml``'s ``worker.gpu``)."""
+    node with 4 GPUs; TP = 2 cannot be placed over two 1-GPU nodes (``cluster.yaml``'s ``worker.gpu``).
+    In such a cluster a replica on ``device: auto`` reserves a GPU."""
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -149,6 +151,8 @@ def test_tp_rank_bundles_fit_a_node_with_as_many_gpus_and_no_fewer():
         pg2 = placement_group(rank_bundles(2, gpu=True)[1], strategy="STRICT_PACK")
         ready, _ = ray.wait([pg2.ready()], timeout=5)
         assert not ready and placement_group_table(pg2)["state"] == "PENDING"
+        # built in a cluster with GPUs, a replica on device auto reserves one (it will use it)
+        assert _replica_options({"device": "auto"}).get("num_gpus") == 1
     finally:
         ray.shutdown()
         cluster.shutdown()

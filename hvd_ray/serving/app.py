@@ -17,6 +17,20 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from .config import ServingConfig
 
 
+def uses_gpu(device: str) -> bool:
+    """Whether a replica on ``device`` reserves a GPU: ``cuda``, and ``auto`` where the Ray cluster the
+    app is built in has GPUs (an ``auto`` replica that reserved none would use a GPU the scheduler
+    may give to another); ``auto`` with no GPU in the cluster yet (an autoscaler that has not
+    started a GPU node) reserves none: say ``cuda`` there."""
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
+
+
 def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application:
     cfg = args if isinstance(args, ServingConfig) else ServingConfig.model_validate(dict(args or {}))
     from .ingress import OpenAIIngress
@@ -26,7 +40,7 @@ def build_app(args: dict[str, Any] | ServingConfig | None = None) -> Application
     actor = dict(cfg.ray_actor_options)
     # on CUDA the replica holds the model's GPU, unless tensor parallelism gives it to the rank actors
     # (each rank one GPU, all in one placement group): the replica then only drives them
-    if cfg.device.startswith("cuda") and "num_gpus" not in actor and cfg.tensor_parallel_size == 1:
+    if uses_gpu(cfg.device) and "num_gpus" not in actor and cfg.tensor_parallel_size == 1:
         actor["num_gpus"] = 1
     drain = {"graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s}
     # Bounded queues: the ingress's handle queues at most replica_max_queued() requests for the model
