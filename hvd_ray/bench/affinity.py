@@ -2,7 +2,9 @@
 replica, then two replicas routed by Serve's power of two choices and by prefix affinity
 (``serving/affinity.py``). Each conversation re-sends itself with the model's answer and a follow-up
 (``workloads/turns.py``) for ``--turns`` turns, ``--concurrency`` conversations in flight; every
-setup gets the same conversations. Reported: the prompt tokens the replicas found cached (usage's
+setup gets the same conversations (``--workloads agent``: one 2,000-token tool list shared by all;
+``agent-own-tools``: each conversation lists the tools in its own order, so nothing but its own
+earlier turns is worth caching for it). Reported: the prompt tokens the replicas found cached (usage's
 ``cached_tokens``) against one replica's, and output tokens per second."""
 
 from __future__ import annotations
@@ -96,7 +98,10 @@ def run_setup(args, conversations: list[tuple[list[dict], str]], replicas: int, 
 def bench_affinity(args) -> str:
     workload = (args.workloads or ["agent"])[0]
     n = args.prompts or 8
-    prompts = agent_prompts() if workload == "agent" else load_workload(workload, split="test")
+    if workload in ("agent", "agent-own-tools"):  # one tool list shared by all, or each its own order
+        prompts = agent_prompts(own_tools=workload == "agent-own-tools")
+    else:
+        prompts = load_workload(workload, split="test")
     conversations = [(p.messages, FOLLOW_UPS.get(p.workload, DEFAULT_FOLLOW_UP)) for p in prompts[:n]]
     t_job = time.perf_counter()
     res = {}

@@ -14,9 +14,12 @@ from .prompts import Prompt
 TOOL_CHARS = 8000  # about 2,000 SmolLM2 tokens of schemas
 
 
-def agent_prompts(split: str | None = "test", tool_chars: int = TOOL_CHARS) -> list[Prompt]:
+def agent_prompts(split: str | None = "test", tool_chars: int = TOOL_CHARS, own_tools: bool = False) -> list[Prompt]:
     """Every function-calling question of ``split`` (Java / JavaScript ones left out: their schemas
-    follow another language's conventions) under one shared system prompt of tools."""
+    follow another language's conventions) under one shared system prompt of tools; with
+    ``own_tools`` each task's system prompt lists the same tools in an order of its own (rotated by
+    the task's index), so no two prompts share more than the prompt's opening words, as for agents
+    that each carry their own tool list."""
     tasks = [
         p
         for p in load_workload("function_calling", split=split)
@@ -32,15 +35,19 @@ def agent_prompts(split: str | None = "test", tool_chars: int = TOOL_CHARS) -> l
             tools += new
             names |= {f["name"] for f in new}
             size += cost
-    system = {"role": "system", "content": _fc_system_prompt(tools)}
+
+    def system(i: int) -> dict:
+        order = tools[i % len(tools) :] + tools[: i % len(tools)] if own_tools else tools
+        return {"role": "system", "content": _fc_system_prompt(order)}
+
     return [
         Prompt(
             id=f"agent/{p.id}",
             workload="function_calling",
-            messages=[system, p.messages[-1]],
+            messages=[system(i), p.messages[-1]],
             meta={"tools": len(tools), "task_tools_listed": all(f["name"] in names for f in p.meta["functions"])},
         )
-        for p in tasks
+        for i, p in enumerate(tasks)
     ]
 
 
