@@ -10,17 +10,9 @@ import time
 
 import pytest
 
-from hvd_ray.bench.cluster import (
-    LoadDriver,
-    SimulatedCluster,
-    alive_nodes,
-    app_config,
-    phase_stats,
-    replica_states,
-    serve_on,
-    worker_types,
-)
+from hvd_ray.bench.cluster import LoadDriver, app_config, phase_stats, serve_on
 from hvd_ray.bench.load import real_prompts
+from hvd_ray.bench.sim_cluster import SimulatedCluster, alive_nodes, replica_states, worker_types
 
 APP = "autoscale-test"
 

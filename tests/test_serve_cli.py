@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hvd_ray.bench.cluster import SimulatedCluster, free_port
+from hvd_ray.bench.sim_cluster import SimulatedCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
