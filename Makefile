@@ -80,7 +80,7 @@ lint-check: install
 	$(PYTHON) -m ruff format --check .
 
 # Test files run on two pytest-xdist workers (a file stays on one worker: its module fixtures, e.g. a
-# live Serve app, are built once); 14-16 min on 2 cores (vLLM tests included) instead of ~28 on one.
+# live Serve app, are built once); about 30 min on 2 cores, vLLM and simulated-cluster tests included.
 TESTJOBS ?= 2
 test: lint-check model vllm-env serve-llm-env
 	HVD_VLLM_PYTHON=$(VLLM_PYTHON) HVD_SERVE_LLM_PYTHON=$(SERVE_LLM_PYTHON) $(PYTHON) -m pytest -q -n $(TESTJOBS) --dist loadfile
