@@ -6,7 +6,7 @@ torch's OpenMP ops end on a barrier, so a decode step of many short ops waits wh
 threads is descheduled; with every core given to torch, a neighbour's bursts land inside those ops.
 This measures what that costs, to say how many torch threads a replica should run beside its
 serving path (``ServingConfig.threads``) and what a server on a small machine must do to use every
-core (see docs/serving.md)."""
+core (docs/results-http.md)."""
 
 from __future__ import annotations
 
