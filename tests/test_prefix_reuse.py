@@ -165,11 +165,12 @@ def test_concurrent_requests_copy_a_shared_prompt_prefix_from_a_running_one(draf
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["none", "suffix"])
-def test_rows_sharing_a_long_prefix_attend_over_it_once_and_decode_the_same(drafter, target, monkeypatch):
-    """Three agent calls sharing a 2,000-token tool list at batch 3: the later two copy the first's
-    K/V, and the three rows then attend over the shared rows once per forward (``cascade_attend``),
-    also when they verify drafts of different lengths (packed rows); greedy outputs equal the same
-    engine's without reuse, where every row attends over its own, and plain greedy decoding's."""
+def test_rows_sharing_a_long_prefix_attend_over_it_once_and_decode_the_same(drafter, target, prompts, monkeypatch):
+    """Three agent calls sharing a 2,000-token tool list and a chat prompt at batch 4: the later two
+    calls copy the first's K/V, and the three rows then attend over the shared rows once per forward
+    (``cascade_attend``) while the chat row in the same forward attends over its own, also when they
+    verify drafts of different lengths (packed rows); greedy outputs equal the same engine's without
+    reuse, where every row attends over its own, and plain greedy decoding's."""
     from hvd_ray.model.attention import CASCADE_MIN
     from hvd_ray.model.transformer import Attention
     from hvd_ray.workloads import render
@@ -177,23 +178,27 @@ def test_rows_sharing_a_long_prefix_attend_over_it_once_and_decode_the_same(draf
 
     model, tok = target
     calls = [tok(render(p, tok), add_special_tokens=False)["input_ids"] for p in agent_prompts()[:3]]
+    calls.append(prompts[4])  # a chat prompt: its row attends over its own K/V beside the group
     cascaded = []
     inner = Attention._cascade
     monkeypatch.setattr(
         Attention,
         "_cascade",
-        staticmethod(lambda q, kc, vc, ctx: cascaded.append((ctx.cascade, ctx.valid)) or inner(q, kc, vc, ctx)),
+        staticmethod(
+            lambda q, kc, vc, ctx: cascaded.append((ctx.cascade, ctx.valid, ctx.rest)) or inner(q, kc, vc, ctx)
+        ),
     )
 
     def run(drafter: str, reuse: bool):
-        spec = EngineSpec(drafter=drafter, max_batch=3, max_len=2560, num_draft_tokens=6, prefix_reuse=reuse)
+        spec = EngineSpec(drafter=drafter, max_batch=4, max_len=2560, num_draft_tokens=6, prefix_reuse=reuse)
         return build_engine(spec, model.with_own_cache(), tok).generate(calls, SamplingParams(max_tokens=MAX_NEW))
 
     shared = run(drafter, True)
     assert [r.output for r in shared] == [r.output for r in run(drafter, False)]
     if drafter != "none":
         assert [r.output for r in shared] == [r.output for r in run("none", False)]
-    assert [r.stats.cached_tokens > CASCADE_MIN for r in shared] == [False, True, True]
-    assert cascaded and all(len(rows) >= 2 and n > CASCADE_MIN for c, _ in cascaded for rows, _, n, *_ in c)
+    assert [r.stats.cached_tokens > CASCADE_MIN for r in shared] == [False, True, True, False]
+    assert cascaded and all(len(rows) >= 2 and n > CASCADE_MIN for c, *_ in cascaded for rows, _, n, *_ in c)
+    assert any(rest is not None for *_, rest in cascaded)  # the chat row beside the group
     if drafter != "none":  # some steps verified drafts of different lengths: packed rows
-        assert any(valid is not None for _, valid in cascaded)
+        assert any(valid is not None for _, valid, _ in cascaded)

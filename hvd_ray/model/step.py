@@ -140,6 +140,7 @@ def plan_rows(
         ctx.runs = slot_runs([slots[b] for b in rest], [starts[b] for b in rest], [widths[b] for b in rest])
     elif ctx.contiguous is None:
         ctx.runs = slot_runs(slots, starts, n_new if ctx.valid is not None else [T] * B)
+    if ctx.contiguous is None:  # every row writes its K/V through these, cascade rows or not
         ctx.slots_t = torch.tensor(list(slots), device=dev)
         ctx.slot_idx = ctx.slots_t[:, None].expand(B, T)
         ctx.write_pos = start_t[:, None] + torch.arange(T, device=dev)
