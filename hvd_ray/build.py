@@ -82,6 +82,13 @@ class EngineSpec:
         "of this collect_traces folder (past outputs of the same model)",
         metavar="TRACES",
     )
+    step_costs: str | None = _opt(
+        None,
+        "with drafter hvd: a JSON file of the forward costs the cost policy prices steps with, "
+        "timed once per kind of machine and reused (missing or no entry for this machine: timed "
+        "at start-up and added)",
+        metavar="FILE",
+    )
 
     def slots(self) -> int:
         """KV slots an engine of this spec holds (the engine's and its drafters' caches)."""
@@ -192,6 +199,7 @@ def _drafters(spec: EngineSpec, model, tokenizer, max_len: int, cache) -> tuple[
             slots=spec.slots(),
             max_len=max_len,
             cache=cache,
+            costs_file=spec.step_costs,
         )
     if cache is not None:
         if spec.drafter != "suffix":

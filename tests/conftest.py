@@ -78,14 +78,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STEP_COSTS = Path(__file__).resolve().parents[1] / ".pytest_cache" / "step_costs.json"
+
+
 @contextlib.contextmanager
 def serve_app(config: dict, name: str, api_key: str | None = None):
     """The application ``build_app(config)`` on a real local Ray + Serve; yields its base URL. An
-    ``api_key`` reaches the ingress as the README says: the env HVD_RAY_API_KEY of the Ray instance."""
+    ``api_key`` reaches the ingress as the README says: the env HVD_RAY_API_KEY of the Ray instance.
+    Replicas share one step-costs file (the first hvd replica of a run times its forwards, later
+    ones and their replacements read the table), as replicas of one machine type in production."""
     import ray
     from ray import serve
 
     from hvd_ray.serving import build_app
+
+    config = {"step_costs": str(STEP_COSTS), **config}
 
     old = os.environ.get("HVD_RAY_API_KEY")
     if api_key:

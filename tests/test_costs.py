@@ -3,6 +3,8 @@ engine's separate budget for the suffix cache's drafts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -29,6 +31,37 @@ def test_measured_costs_are_relative_monotone_cached_and_leave_the_cache_alone(t
     assert list(costs.long_table) == [1, 2, 4, 8] and costs.long_table[1] == 1.0
     assert all(costs.long_table[a] <= costs.long_table[b] for a, b in zip([1, 2, 4], [2, 4, 8]))
     assert not measure_step_costs(model, widths=(1, 2), prefix=16, reps=1, long_prefix=0).long_table
+
+
+def test_a_step_costs_file_is_written_once_and_read_by_the_next_process(tiny_llama, tmp_path):
+    """A replica that finds its machine's table in the file takes it as timed (no timing: the same
+    numbers to the last digit); another kind of machine (here: another thread count) gets its own
+    entry; an unreadable file is timed over, never an error."""
+    file = str(tmp_path / "costs" / "steps.json")
+    first = measure_step_costs(
+        Transformer.from_pretrained(tiny_llama, dtype=torch.float32), (1, 2, 4), 16, 2, file=file
+    )
+    again = measure_step_costs(
+        Transformer.from_pretrained(tiny_llama, dtype=torch.float32), (1, 2, 4), 16, 2, file=file
+    )
+    assert again is not first  # a fresh model: nothing cached on it, so it came from the file
+    for name in ("table", "forward_s", "raw_s", "long_table", "long_forward_s", "prefix", "long_prefix"):
+        assert getattr(again, name) == getattr(first, name), name
+    assert again.measured and again.width_scale == 1.0 and not again.rows  # online fits start afresh
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        other = measure_step_costs(
+            Transformer.from_pretrained(tiny_llama, dtype=torch.float32), (1, 2, 4), 16, 2, file=file
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert other.raw_s != first.raw_s and len(json.load(open(file))) == 2
+    open(file, "w").write("{not json")
+    timed = measure_step_costs(
+        Transformer.from_pretrained(tiny_llama, dtype=torch.float32), (1, 2, 4), 16, 2, file=file
+    )
+    assert timed.raw_s != first.raw_s and len(json.load(open(file))) == 1
 
 
 def test_width_costs_more_after_a_long_context():

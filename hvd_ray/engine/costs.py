@@ -14,11 +14,15 @@ extrapolated with the last segment's slope.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
+import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -338,11 +342,20 @@ class SpeculationCheck:
             self.done.add(batch)
 
 
-def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5, long_prefix: int = 2048) -> StepCosts:
+def measure_step_costs(
+    model, widths=WIDTHS, prefix: int = 64, reps: int = 5, long_prefix: int = 2048, file: str | None = None
+) -> StepCosts:
     """Time one forward over ``k`` new tokens after a ``prefix``-token context, for each ``k`` in
     ``widths``, in a scratch KV cache so the model's own cache is untouched; and again after a
     ``long_prefix``-token one (``StepCosts.long_table``; 0: not). Cached on the model: engines that
     share a model share its costs.
+
+    ``file``: a JSON file of tables timed before, by this or another process on the same kind of
+    machine (``step_costs_key``: architecture, dtype, device, threads, CPU model, widths). A matching
+    entry is used as is; else the table is timed and added. Replicas then start without the timing
+    (about a minute in fp32 on 2 cores), and one started on a busy node (a scale-out under load)
+    prices steps from a quiet node's table instead of its own inflated one. Not with tensor
+    parallelism: every rank must take part in the timing's broadcast.
 
     A busy or frequency-scaling CPU makes single timings jump by 30 % or more, and a table with a
     spike at one width misprices every draft from there on (the policy then declines drafts that
@@ -353,14 +366,84 @@ def measure_step_costs(model, widths=WIDTHS, prefix: int = 64, reps: int = 5, lo
     cached = getattr(model, "_step_costs", {})
     if key in cached:
         return cached[key]
-    costs = _time_widths(model, widths, prefix, reps)
-    room = model.cfg.max_position - max(costs.table)
-    if long_prefix > costs.prefix and room > costs.prefix:
-        long = _time_widths(model, list(costs.table), min(long_prefix, room), reps)
-        costs.long_table, costs.long_forward_s, costs.long_prefix = long.table, long.forward_s, long.prefix
+    shared = file if file and getattr(model, "tp_size", 1) == 1 else None
+    entry = step_costs_key(model, widths, prefix, long_prefix)
+    costs = read_step_costs(shared, entry) if shared else None
+    if costs is None:
+        costs = _time_widths(model, widths, prefix, reps)
+        room = model.cfg.max_position - max(costs.table)
+        if long_prefix > costs.prefix and room > costs.prefix:
+            long = _time_widths(model, list(costs.table), min(long_prefix, room), reps)
+            costs.long_table, costs.long_forward_s, costs.long_prefix = long.table, long.forward_s, long.prefix
+        if shared:
+            write_step_costs(shared, entry, costs)
     cached[key] = costs
     model._step_costs = cached
     return costs
+
+
+# what a step-costs file keeps of a StepCosts: the timed tables (the online fits start afresh)
+_SAVED = ("table", "forward_s", "raw_s", "long_table", "long_forward_s", "prefix", "long_prefix")
+
+
+def step_costs_key(model, widths, prefix: int, long_prefix: int) -> str:
+    """What a timed table is valid for: the architecture (not the weights: a forward's cost does not
+    depend on them), dtype, device, torch threads, the CPU model, and the timing's shape."""
+    arch = hashlib.sha256(json.dumps(asdict(model.cfg), sort_keys=True, default=str).encode())
+    return "|".join(
+        [
+            arch.hexdigest()[:16],
+            str(model.dtype),
+            str(model.device),
+            f"threads={torch.get_num_threads()}",
+            _cpu_model(),
+            "widths=" + ",".join(map(str, widths)),
+            f"prefix={prefix}/{long_prefix}",
+        ]
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def read_step_costs(file: str, key: str) -> StepCosts | None:
+    """The table ``file`` holds under ``key`` (None: no file, no entry, or not a step-costs file)."""
+    try:
+        with open(file) as f:
+            saved = json.load(f)[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ints = lambda d: {int(k): float(v) for k, v in d.items()}  # noqa: E731 - JSON keys are strings
+    return StepCosts(
+        ints(saved["table"]),
+        saved["forward_s"],
+        True,
+        ints(saved["raw_s"]),
+        long_table=ints(saved["long_table"]),
+        long_forward_s=saved["long_forward_s"],
+        prefix=saved["prefix"],
+        long_prefix=saved["long_prefix"],
+    )
+
+
+def write_step_costs(file: str, key: str, costs: StepCosts) -> None:
+    """Add ``costs`` to ``file`` under ``key``, atomically (replicas starting together may write)."""
+    try:
+        with open(file) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {name: getattr(costs, name) for name in _SAVED}
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    tmp = f"{file}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(entries, f, indent=1)
+    os.replace(tmp, file)
 
 
 def _time_widths(model, widths, prefix: int, reps: int) -> StepCosts:
@@ -421,4 +504,7 @@ __all__ = [
     "interpolate",
     "measure_step_costs",
     "monotone",
+    "read_step_costs",
+    "step_costs_key",
+    "write_step_costs",
 ]

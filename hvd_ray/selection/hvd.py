@@ -78,11 +78,13 @@ def build_hvd(
     cache=None,
     draft_model: str | None = None,
     measure_costs: bool = True,
+    costs_file: str | None = None,
 ) -> tuple[list, Policy]:
     """(drafters for the Engine, the policy to pass as ``Engine(policy=...)``). ``cache``: the suffix
     drafter to use (default a fresh in-process one; serving passes its actor proxy).
     ``measure_costs``: the cost policy times the target's forward on this hardware (a few seconds,
-    once per model; engine/costs.py) instead of assuming the static ``VERIFY_COST`` table."""
+    once per model; engine/costs.py) instead of assuming the static ``VERIFY_COST`` table, or reads
+    them from ``costs_file`` where a process on the same kind of machine timed them before."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     cache = cache if cache is not None else SuffixDrafter(suffix_config(policy))
@@ -92,7 +94,7 @@ def build_hvd(
     flags = VocabFlags.from_tokenizer(tokenizer, model.cfg.vocab_size)
     if policy in ("tau", *COST_POLICIES):
         g, union = load_predictor(predictor), policy == "cost-union"
-        costs = measure_step_costs(model) if measure_costs and policy in COST_POLICIES else VERIFY_COST
+        costs = measure_step_costs(model, file=costs_file) if measure_costs and policy in COST_POLICIES else VERIFY_COST
         if policy == "tau":
             pol: Policy = TauPolicy(g, cache, drafter, flags, tau=tau)
         elif model_drafter == "eagle3":

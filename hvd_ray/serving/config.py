@@ -67,6 +67,7 @@ class ServingConfig(BaseModel):
         "drafts for the whole batch once per step",
     )
     suffix_history: str | None = _spec("suffix_history")
+    step_costs: str | None = _spec("step_costs")
     prefix_reuse: bool = _spec("prefix_reuse")
     reuse_slots: int = _spec("reuse_slots", 4, ge=0, le=256)
     suffix_actor_name: str = Field(
