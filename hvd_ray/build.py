@@ -82,6 +82,12 @@ class EngineSpec:
         "of this collect_traces folder (past outputs of the same model)",
         metavar="TRACES",
     )
+    prefill_chunk: int | None = _opt(
+        None,
+        "while requests decode, prefill at most this many prompt tokens per step, so a long "
+        "arriving prompt does not stall the running streams for its whole prefill (unset: whole prompts)",
+        metavar="TOKENS",
+    )
     step_costs: str | None = _opt(
         None,
         "with drafter hvd: a JSON file of the forward costs the cost policy prices steps with, "
@@ -178,6 +184,7 @@ def build_engine(
         prefix_reuse=spec.prefix_reuse,
         reuse_slots=spec.reuse_slots,
         grammars=Grammars(tokenizer, model.cfg.vocab_size, stops) if tokenizer is not None else None,
+        prefill_chunk=spec.prefill_chunk,
     )
 
 

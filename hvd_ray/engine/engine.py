@@ -105,6 +105,7 @@ class Engine:
         prefix_reuse: bool = True,
         reuse_slots: int = 0,
         grammars: Grammars | None = None,
+        prefill_chunk: int | None = None,
     ):
         self.model = model
         self.grammars = grammars  # compiles ``params.structure`` (structured outputs); None: refused
@@ -139,6 +140,10 @@ class Engine:
         # self.slots, even where a shared model's cache has more: drafters size theirs the same way
         self.free_slots = deque(range(self.slots))
         self.prefix_reuse = prefix_reuse
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prompts), got {prefill_chunk}")
+        # while requests decode, a step prefills at most this many prompt tokens (None: whole prompts)
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.taps = tuple(sorted({t for d in self.drafters for t in d.needs_taps}))
@@ -194,13 +199,15 @@ class Engine:
                 self._fail(req, e, "drafter begin")
                 continue
             admitted.append(req)
-        # slot order lets the model read consecutive cache slots as one view
-        decoding = sorted((r for r in self.running if not r.finished), key=lambda r: r.slot)
+        # a request decodes once its prompt is computed and its first token out; slot order lets the
+        # model read consecutive cache slots as one view
+        decoding = sorted((r for r in self.running if not r.finished and r.output), key=lambda r: r.slot)
+        prefilling = [r for r in self.running if not r.finished and not r.output] + admitted
+        self.running += admitted
         if decoding:
             outputs += self._decode(decoding)
-        if admitted:
-            outputs += self._prefill(admitted)
-            self.running += admitted
+        if prefilling:
+            outputs += self._prefill(prefilling, chunked=bool(decoding))
         self._release(outputs)
         return outputs
 
@@ -233,35 +240,50 @@ class Engine:
         logger.error("request %s failed in %s: %r", req.req_id, where, e, exc_info=e)
         req.finish_reason, req.error = "error", f"{where} failed: {type(e).__name__}: {e}"
 
-    def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
-        """One forward per new prompt: prefill is compute-bound, so batching prompts of different
-        lengths would only add padding work, and a lone sequence takes the fused causal kernel."""
+    def _prefill(self, reqs: list[Request], chunked: bool = False) -> list[StepOutput]:
+        """One forward per new prompt, in admission order: prefill is compute-bound, so batching
+        prompts of different lengths would only add padding work, and a lone sequence takes the fused
+        causal kernel. ``chunked`` (requests are decoding) with ``prefill_chunk`` set: at most that
+        many prompt tokens this step, so a long prompt does not stall the streams for its whole
+        prefill; the rest follows in the next steps (the K/V of a prompt's computed part stay in its
+        slot, as a kept prefix's do), and its first token comes with its last chunk."""
         dev = self.model.device
         results = []
-        computed = [r for r in self.running if not r.finished and r.slot >= 0]  # prompts whose K/V exist
+        # prompts whose K/V exist: a slot holds the first tokens of its request's prompt (all of them
+        # once it decodes; ``cache.lengths`` of them while it prefills, read when shared)
+        computed = [r for r in self.running if not r.finished and r.slot >= 0]
+        budget = self.prefill_chunk if chunked and self.prefill_chunk else None
         for req in reqs:
+            if budget is not None and budget <= 0:
+                break
             t0 = time.perf_counter()
-            if self.prefix_reuse:
+            if self.prefix_reuse and not req.stats.target_forwards:
                 self._share_prefix(req, computed)
-            c = self.model.cache.lengths[req.slot]  # K/V already there (prefix reuse)
-            out = self.model(torch.tensor([req.prompt[c:]], device=dev), [req.slot], taps=self.taps, last_only=True)
+            c = self.model.cache.lengths[req.slot]  # K/V already there (prefix reuse, earlier chunks)
+            end = len(req.prompt) if budget is None else min(len(req.prompt), c + budget)
+            out = self.model(torch.tensor([req.prompt[c:end]], device=dev), [req.slot], taps=self.taps, last_only=True)
+            req.stats.prefill_s += time.perf_counter() - t0
+            req.stats.target_forwards += 1
+            if budget is not None:
+                budget -= end - c
+            if end < len(req.prompt):  # more chunks to come
+                if self.taps:
+                    self._observe(req, req.prompt[c + 1 : end + 1], out.taps, 0, slice(0, end - c))
+                continue
             try:
                 first = first_tokens([req], out.logits[:, -1])[0]
                 if req.params.logprobs is not None:
                     req.step_logprobs = token_logprobs(out.logits[:, -1], [0], [first], req.params.logprobs)
-                req.stats.prefill_s = time.perf_counter() - t0
-                req.stats.target_forwards += 1
                 if self.taps:
                     self._observe(req, req.prompt[c + 1 :] + [first], out.taps, 0, slice(0, len(req.prompt) - c))
                 results.append(self._emit(req, [first]))
-                computed.append(req)
             except Exception as e:  # noqa: BLE001
                 self._fail(req, e, "sampling the first token")
         return results
 
     def _share_prefix(self, req: Request, computed: list[Request]) -> None:
-        """Copy into ``req``'s slot the K/V of the longest prefix its prompt shares with the prompt of
-        a request whose prompt is computed (running, or prefilled earlier in this step), where that
+        """Copy into ``req``'s slot the K/V of the longest prefix its prompt shares with the computed
+        part of another running request's prompt (decoding, or prefilled earlier), where that
         beats what its slot already holds. Concurrent agents send one tool list with every call:
         without this, each recomputed it until one of them had finished and left its slot to reuse.
         A prompt's K/V never change while its request runs (rollback and compaction touch only
@@ -269,7 +291,9 @@ class Engine:
         cache = self.model.cache
         best, src = max(cache.lengths[req.slot], MIN_REUSE - 1), None
         for r in computed:
-            n = common_prefix(r.prompt, req.prompt, min(len(r.prompt), len(req.prompt) - 1))
+            if r is req:
+                continue
+            n = common_prefix(r.prompt, req.prompt, min(len(r.prompt), cache.lengths[r.slot], len(req.prompt) - 1))
             if n > best:
                 best, src = n, r
         if src is None:

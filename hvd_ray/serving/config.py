@@ -68,6 +68,7 @@ class ServingConfig(BaseModel):
     )
     suffix_history: str | None = _spec("suffix_history")
     step_costs: str | None = _spec("step_costs")
+    prefill_chunk: int | None = _spec("prefill_chunk", ge=1)
     prefix_reuse: bool = _spec("prefix_reuse")
     reuse_slots: int = _spec("reuse_slots", 4, ge=0, le=256)
     suffix_actor_name: str = Field(
