@@ -43,7 +43,7 @@ Modes:
     python jobs/benchmark.py where --drafters hvd --concurrency 1 2 4 8 16 --max-prompt-tokens 4096 \
         --vllm-python VENV/bin/python
     python jobs/benchmark.py contention --concurrency 8 --max-prompt-tokens 4096 [--busy-shares 0 0.15 0.3]
-    python jobs/benchmark.py prefill --concurrency 8 --max-prompt-tokens 4096 [--prefill-chunks 0 256 512]
+    python jobs/benchmark.py prefill --concurrency 8 --max-prompt-tokens 4096 [--prefill-chunks 0 256 0]
 """
 
 from __future__ import annotations
@@ -157,8 +157,9 @@ def main() -> None:
         "--prefill-chunks",
         nargs="+",
         type=int,
-        default=[0, 256, 512],
-        help="prefill: prefill_chunk values to compare (0: whole prompts, the first is the baseline)",
+        default=[0, 256, 0],
+        help="prefill: prefill_chunk values to run in order (0: whole prompts; the first is the baseline; repeat one "
+        "to see drift between runs)",
     )
     ap.add_argument(
         "--where-servers",

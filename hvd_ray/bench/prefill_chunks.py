@@ -79,7 +79,7 @@ def bench_prefill(args) -> str:
     workload = (args.workloads or ["agent"])[0]
     prompts = [ids for *_, ids in prompt_ids(tok, [workload], n + c, args.max_prompt_tokens)]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    results = {}
+    results = []  # (chunk, figures) in run order: a setting may repeat, to show drift between runs
     t_job = time.perf_counter()
     for chunk in chunks:
         cfg = ServingConfig.model_validate(
@@ -87,10 +87,11 @@ def bench_prefill(args) -> str:
         )
         engine = build_engine(cfg.engine_spec(), model.with_own_cache(), tok)  # a fresh cache: no reuse across runs
         run(engine, prompts[:c], params, c)  # warm-up: oneDNN primitives, the step-cost fits
-        results[chunk] = r = run(engine, prompts[c:], params, c)
+        results.append((chunk, run(engine, prompts[c:], params, c)))
+        r = results[-1][1]
         print(f"[prefill] chunk {chunk}: {r['tok_s']:.1f} tok/s, gap p99 {r['gap_p99']:.3f} s", flush=True)
     lens = sorted(map(len, prompts[c:]))
-    base = results[chunks[0]]["tok_s"]
+    base = results[0][1]["tok_s"]
     lines = [
         "# Chunked prefill: arriving prompts beside decoding streams",
         "",
@@ -102,16 +103,17 @@ def bench_prefill(args) -> str:
         f"request (`ignore_eos`); {len(lens)} {workload} prompts of {lens[0]}-{lens[-1]} tokens, {c} in flight "
         f"(staggered as in `where`), after {c} warm-up prompts; whole job {time.perf_counter() - t_job:.0f} s.",
         "",
-        "chunk = `prefill_chunk` (prompt tokens a step may prefill while streams decode; - = whole prompts). "
+        "Rows in run order. chunk = `prefill_chunk` (prompt tokens a step may prefill while streams decode; "
+        "- = whole prompts); x first = tok/s over the first row's. "
         "gap = seconds between a decoding stream's deliveries (step ends that gave it tokens). TTFT = from a "
         "request's arrival beside decoding streams to its first token; prefill = the seconds of its own prefill "
         "forwards (the tokens a shared prefix did not cover); TTFT/prefill per request.",
         "",
-        "| chunk | tok/s | x whole | gap p50 | gap p99 | gap max | TTFT p50 | TTFT p99 | prefill p50 | "
+        "| chunk | tok/s | x first | gap p50 | gap p99 | gap max | TTFT p50 | TTFT p99 | prefill p50 | "
         "TTFT/prefill p50 | p99 | arrivals |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for chunk, r in results.items():
+    for chunk, r in results:
         lines.append(
             f"| {chunk or '-'} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['gap_p50']:.3f} | "
             f"{r['gap_p99']:.3f} | {r['gap_max']:.3f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
