@@ -76,22 +76,23 @@ def bench_prefill(args) -> str:
     chunks = [None if ch <= 0 else ch for ch in args.prefill_chunks]
     model, tok = load("default", args.dtype)
     n = args.prompts or 4 * c
-    workload = (args.workloads or ["agent"])[0]
-    prompts = [ids for *_, ids in prompt_ids(tok, [workload], n + c, args.max_prompt_tokens)]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    results = []  # (chunk, figures) in run order: a setting may repeat, to show drift between runs
     t_job = time.perf_counter()
-    for chunk in chunks:
-        cfg = ServingConfig.model_validate(
-            {"dtype": args.dtype, "drafter": drafter, "max_batch": c, "max_model_len": 4096, "prefill_chunk": chunk}
-        )
-        engine = build_engine(cfg.engine_spec(), model.with_own_cache(), tok)  # a fresh cache: no reuse across runs
-        run(engine, prompts[:c], params, c)  # warm-up: oneDNN primitives, the step-cost fits
-        results.append((chunk, run(engine, prompts[c:], params, c)))
-        r = results[-1][1]
-        print(f"[prefill] chunk {chunk}: {r['tok_s']:.1f} tok/s, gap p99 {r['gap_p99']:.3f} s", flush=True)
-    lens = sorted(map(len, prompts[c:]))
-    base = results[0][1]["tok_s"]
+    tables = []
+    for workload in args.workloads or ["agent"]:
+        prompts = [ids for *_, ids in prompt_ids(tok, [workload], n + c, args.max_prompt_tokens)]
+        results = []  # (chunk, figures) in run order: a setting may repeat, to show drift between runs
+        for chunk in chunks:
+            cfg = ServingConfig.model_validate(
+                {"dtype": args.dtype, "drafter": drafter, "max_batch": c, "max_model_len": 4096, "prefill_chunk": chunk}
+            )
+            engine = build_engine(cfg.engine_spec(), model.with_own_cache(), tok)  # fresh cache: no reuse across runs
+            run(engine, prompts[:c], params, c)  # warm-up: oneDNN primitives, the step-cost fits
+            results.append((chunk, run(engine, prompts[c:], params, c)))
+            r = results[-1][1]
+            print(f"[prefill] {workload}, chunk {chunk}: {r['tok_s']:.1f} tok/s, gap max {r['gap_max']:.3f} s")
+        lens = sorted(map(len, prompts[c:]))
+        tables += ["", f"### {workload}: {len(lens)} prompts of {lens[0]}-{lens[-1]} tokens", "", *_table(results)]
     lines = [
         "# Chunked prefill: arriving prompts beside decoding streams",
         "",
@@ -100,15 +101,22 @@ def bench_prefill(args) -> str:
         f"Machine: {machine_line()}  ",
         f"Model: SmolLM2-135M-Instruct, {DTYPE_NAMES[args.dtype]}, our engine as a replica builds it (drafter "
         f"`{drafter}`, 4,096-token slots, a fresh KV cache per row), greedy, {args.max_tokens} output tokens per "
-        f"request (`ignore_eos`); {len(lens)} {workload} prompts of {lens[0]}-{lens[-1]} tokens, {c} in flight "
-        f"(staggered as in `where`), after {c} warm-up prompts; whole job {time.perf_counter() - t_job:.0f} s.",
+        f"request (`ignore_eos`); {n} prompts per workload with {c} in flight (staggered as in `where`), after {c} "
+        f"warm-up prompts; whole job {time.perf_counter() - t_job:.0f} s.",
         "",
         "Rows in run order. chunk = `prefill_chunk` (prompt tokens a step may prefill while streams decode; "
         "- = whole prompts); x first = tok/s over the first row's. "
         "gap = seconds between a decoding stream's deliveries (step ends that gave it tokens). TTFT = from a "
         "request's arrival beside decoding streams to its first token; prefill = the seconds of its own prefill "
         "forwards (the tokens a shared prefix did not cover); TTFT/prefill per request.",
-        "",
+        *tables,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _table(results: list[tuple[int | None, dict]]) -> list[str]:
+    base = results[0][1]["tok_s"]
+    lines = [
         "| chunk | tok/s | x first | gap p50 | gap p99 | gap max | TTFT p50 | TTFT p99 | prefill p50 | "
         "TTFT/prefill p50 | p99 | arrivals |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -119,7 +127,7 @@ def bench_prefill(args) -> str:
             f"{r['gap_p99']:.3f} | {r['gap_max']:.3f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
             f"{r['prefill_p50']:.2f} | {r['ratio_p50']:.2f} | {r['ratio_p99']:.2f} | {r['arrivals']} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 __all__ = ["bench_prefill", "run"]
