@@ -82,3 +82,17 @@ def test_prefill_chunk_must_be_positive(target):
     model, tok = target
     with pytest.raises(ValueError, match="prefill_chunk"):
         build_engine(EngineSpec(prefill_chunk=0), model.with_own_cache(), tok)
+
+
+def test_the_prefill_benchmark_measures_streams_and_arrivals(target, prompts):
+    """``jobs/benchmark.py prefill``'s loop on real prompts: every output token counted, delivery
+    gaps ordered, and arrivals beside decoding streams timed against their own prefill."""
+    from hvd_ray.bench.prefill_chunks import run
+
+    model, tok = target
+    spec = EngineSpec(drafter="none", max_batch=2, max_len=1024, prefill_chunk=CHUNK)
+    eng = build_engine(spec, model.with_own_cache(), tok)
+    r = run(eng, prompts[:6], SamplingParams(max_tokens=8, ignore_eos=True), 2)
+    assert r["tok_s"] > 0 and r["arrivals"] >= 3
+    assert 0 < r["gap_p50"] <= r["gap_p99"] <= r["gap_max"]
+    assert 0 < r["prefill_p50"] and r["ttft_p50"] <= r["ttft_p99"] and r["ratio_p50"] >= 1
