@@ -96,3 +96,24 @@ def test_the_prefill_benchmark_measures_streams_and_arrivals(target, prompts):
     assert r["tok_s"] > 0 and r["arrivals"] >= 3
     assert 0 < r["gap_p50"] <= r["gap_p99"] <= r["gap_max"]
     assert 0 < r["prefill_p50"] and r["ttft_p50"] <= r["ttft_p99"] and r["ratio_p50"] >= 1
+
+
+def test_the_where_benchmark_times_prefill_and_its_stalls_in_chunks(target, prompts):
+    """``jobs/benchmark.py where`` wraps the engine's prefill: with chunks, its seconds are counted
+    once per chunk, and as a stall only in steps where streams decoded."""
+    import argparse
+
+    from hvd_ray.bench import where_time
+    from hvd_ray.build import add_spec_arguments
+
+    model, tok = target
+    ap = argparse.ArgumentParser()
+    add_spec_arguments(ap)
+    args = ap.parse_args(["--prefill-chunk", str(CHUNK)])
+    args.dtype, args.max_tokens = "float32", 8
+    picked = [p for p in prompts if len(p) > 2 * CHUNK][:4]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    r = where_time.in_process(args, "greedy", picked, params, 2)
+    ph = r["phases"].s
+    assert r["tokens"] == 8 * len(picked)
+    assert 0 < ph["stall"] < ph["prefill"] and ph["forward"] > 0

@@ -59,12 +59,12 @@ def timing(ph: Phases):
         (Attention, "_cascade"): Attention._cascade,
     }
 
-    def prefill(self, reqs):
+    def prefill(self, reqs, chunked=False):
         t0 = time.perf_counter()
-        out = orig[(Engine, "_prefill")](self, reqs)
+        out = orig[(Engine, "_prefill")](self, reqs, chunked)
         dt = time.perf_counter() - t0
         ph.s["prefill"] += dt
-        if any(not r.finished for r in self.running):  # streams that waited for it
+        if chunked:  # (the engine says so when requests decoded this step) streams that waited for it
             ph.s["stall"] += dt
         return out
 
