@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ..engine.costs import cpu_name as cpu_name  # re-exported: reports name the CPU as cost tables do
+
 ROOT = Path(__file__).resolve().parents[2]
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # as reports write them
 
@@ -46,16 +48,6 @@ def versions() -> str:
         f"python {platform.python_version()}, {platform.system()} {platform.release()}, hvd-ray commit {commit}, "
         f"ray {v('ray')}, arctic-inference {v('arctic-inference')}, matplotlib {v('matplotlib')}"
     )
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def command(script: str) -> str:

@@ -396,19 +396,24 @@ def step_costs_key(model, widths, prefix: int, long_prefix: int) -> str:
             str(model.dtype),
             str(model.device),
             f"threads={torch.get_num_threads()}",
-            _cpu_model(),
+            cpu_name(),
             "widths=" + ",".join(map(str, widths)),
             f"prefix={prefix}/{long_prefix}",
         ]
     )
 
 
-def _cpu_model() -> str:
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``'s model name): what a timed table, and a benchmark's figures,
+    are valid for."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
-        return platform.processor()
+        pass
+    return platform.processor() or platform.machine()
 
 
 def read_step_costs(file: str, key: str) -> StepCosts | None:
@@ -500,6 +505,7 @@ __all__ = [
     "SpeculationCheck",
     "StepCosts",
     "batch_lengths",
+    "cpu_name",
     "WIDTHS",
     "interpolate",
     "measure_step_costs",
