@@ -230,8 +230,8 @@ def test_a_cost_policy_with_a_cache_gets_a_cache_arm_by_default(tiny_llama):
     from hvd_ray.drafters.layerskip import LayerSkipDrafter
     from hvd_ray.drafters.suffix import SuffixDrafter
     from hvd_ray.engine import Engine, SamplingParams
-    from hvd_ray.engine.costs import ARMS, CACHE
     from hvd_ray.engine.policy import DraftPolicy
+    from hvd_ray.engine.speculation_check import ARMS, CACHE
 
     model = Transformer.from_pretrained(tiny_llama, dtype=torch.float32)
     suffix, skip = SuffixDrafter(), LayerSkipDrafter(model, [(1, "attn")], min_prob=0.0)
@@ -348,7 +348,7 @@ def test_one_slow_drafted_step_does_not_turn_a_batch_plain():
     """A drafted step that also catches EAGLE-3 up on a new prompt takes several plain steps' time
     once: it counts for at most ``outlier`` average steps, so that one step does not outweigh the
     rest, and plain must measure ``margin`` faster before it is preferred."""
-    from hvd_ray.engine.costs import CACHE, PLAIN, SpeculationCheck
+    from hvd_ray.engine.speculation_check import CACHE, PLAIN, SpeculationCheck
 
     check = SpeculationCheck()
     for i in range(40):  # drafted: 12 tokens in 0.15 s (80 tok/s); plain: 8 in 0.15 s (53 tok/s)
@@ -370,7 +370,7 @@ def test_a_rarely_measured_arm_follows_its_latest_steps():
     arm, measured at the cold start (an empty global tree) and then only every 16th step while the
     policy's arm leads, takes over once its recent steps are faster; per-sample averages kept ~70 %
     of its weight on the cold steps after three retries, and the batch stayed on the slower arm."""
-    from hvd_ray.engine.costs import CACHE, PLAIN, POLICY, SpeculationCheck
+    from hvd_ray.engine.speculation_check import CACHE, PLAIN, POLICY, SpeculationCheck
 
     check = SpeculationCheck()
     speed = {CACHE: (2, 0.1), POLICY: (12, 0.1), PLAIN: (8, 0.1)}  # tokens, seconds: the cold start
@@ -395,7 +395,7 @@ def test_a_batch_drafts_the_way_that_measures_fastest():
     """Per batch size, the three arms (the cache drafter's own drafts, the policy's choices, none)
     are measured and the fastest taken; the others are retried on a schedule so a change of load
     or prompts is seen; a lone request is always the policy's."""
-    from hvd_ray.engine.costs import CACHE, PLAIN, POLICY, SpeculationCheck
+    from hvd_ray.engine.speculation_check import CACHE, PLAIN, POLICY, SpeculationCheck
 
     with pytest.raises(ValueError, match="a drafted one first"):
         SpeculationCheck(arms=(PLAIN, CACHE))

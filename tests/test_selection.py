@@ -316,7 +316,7 @@ def test_policies_drive_the_engine_losslessly(which):
     assert all(st.predicted is not None for r in reqs for st in r.stats.steps if st.arm in (None, "policy"))
     assert all(st.source == "none" for r in reqs for st in r.stats.steps if st.plain)
     assert all(st.source != "layerskip" for r in reqs for st in r.stats.steps if st.arm == "cache")
-    if which == "cost":  # batch steps measured every arm (costs.SpeculationCheck), all lossless above
+    if which == "cost":  # batch steps measured every arm (speculation_check.SpeculationCheck), all lossless above
         assert {st.arm for r in reqs for st in r.stats.steps} >= {"cache", "policy"}
     if which == "tau":  # ŷ (= the suffix score here) decided each step: cache above τ, model at or below
         steps = [st for r in reqs for st in r.stats.steps]

@@ -9,7 +9,7 @@ import sys
 import time
 
 from ..build import build_engine, spec_from_args
-from ..engine.costs import ARMS
+from ..engine.speculation_check import ARMS
 from ..model import load
 from .machine import DTYPE_NAMES, command, machine_line
 from .prompts import prompt_ids
@@ -80,7 +80,7 @@ def bench_batch(args) -> str:
         "tok/s = generated tokens / time inside the method's engine steps (prefill included); "
         "tokens/forward = decode tokens per request per target forward it took part in; drafted "
         "steps = decode steps in which the request verified a draft; arms = hvd's batch steps (2 rows or "
-        "more) by the way they drafted (`engine/costs.py:SpeculationCheck`): the cache drafter's own "
+        "more) by the way they drafted (`engine/speculation_check.py:SpeculationCheck`): the cache drafter's own "
         "drafts / the policy's choices / none.",
         "",
         "| concurrency | method | tokens | tok/s | vs greedy | tokens/forward | drafted steps | identical to greedy "

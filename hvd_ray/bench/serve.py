@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..engine.costs import ARMS
+from ..engine.speculation_check import ARMS
 from ..model import resolve
 from ..serving.config import ServingConfig
 from .machine import DTYPE_NAMES, command, machine_line
@@ -190,7 +190,7 @@ def _server_md(args, server: str, n_prompts: int, rows: list[str], raw: dict) ->
         "of the level's requests / time inside engine steps (what no drafter can speed up); tokens/forward = "
         "tokens a request gained per target forward it took part in (finished requests); batch arms = the "
         "level's batch steps (2 rows or more) by the way they drafted under the cost policy (`GET /stats` "
-        "`speculation`, `engine/costs.py:SpeculationCheck`): the cache drafter's own drafts / the policy's "
+        "`speculation`, `engine/speculation_check.py:SpeculationCheck`): the cache drafter's own drafts / the policy's "
         "choices / none.",
         "",
         "| concurrency | requests | requests/s | tokens/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s "

@@ -34,12 +34,13 @@ from ..model.transformer import Transformer
 from ..verification import tree_attention_mask
 from ..verification.tiered import SlimTier, confidence_ratios, repair, tiered_verdict
 from ..verification.tree import tree_depths
-from .costs import ARMS, CACHE, PLAIN, POLICY, SpeculationCheck, batch_lengths
+from .costs import batch_lengths
 from .grammar import Grammars
 from .policy import Choice, DraftPolicy, as_choice, as_policy
 from .processing import Processing, token_logprobs
 from .request import Request, SamplingParams, StepRecord
 from .slots import MIN_REUSE, check_fits, choose_slot, common_prefix
+from .speculation_check import ARMS, CACHE, PLAIN, POLICY, SpeculationCheck
 from .verify import device_walks, first_tokens, verify_row
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class StepOutput:
 class DraftPlan:
     """One decode step's drafts, planned before its forward: per request (``reqs``) its draft, the
     policy's predicted yield, whether the batch's sizing cut it, its own drafting seconds; ``arm``: how
-    the batch drafts (``costs.SpeculationCheck``)."""
+    the batch drafts (``speculation_check.SpeculationCheck``)."""
 
     reqs: list[Request]
     drafts: list[Draft]
@@ -121,7 +122,7 @@ class Engine:
         )
         self.decoding_batch = 1  # requests in the current decode step (policies size drafts by it)
         # under a cost policy a batch drafts the way that measures fastest at its size: the policy's
-        # choices, the cache drafter's drafts alone, or none (costs.SpeculationCheck)
+        # choices, the cache drafter's drafts alone, or none (speculation_check.SpeculationCheck)
         self.check = None
         if self.policy is not None and self.policy.costs is not None:
             self.check = SpeculationCheck(arms=ARMS if self.policy.cache is not None else (POLICY, PLAIN))
@@ -351,7 +352,7 @@ class Engine:
         return plan.live()
 
     def _draft(self, reqs: list[Request], arm: str) -> DraftPlan:
-        """The drafts of ``arm`` (``costs.SpeculationCheck``): the policy's choices, or the cache
+        """The drafts of ``arm`` (``speculation_check.SpeculationCheck``): the policy's choices, or the cache
         drafter's own drafts (``CACHE``)."""
         default = self.drafters[0] if self.drafters else None
         prefetch = [self.policy.cache] if arm == CACHE else self.drafters
@@ -474,7 +475,7 @@ class Engine:
         times: tuple[float, float, float],
     ) -> list[StepOutput]:
         """Record each row's step (``StepRecord``), emit its tokens, and account the step: its arm's
-        rate (``costs.SpeculationCheck``), the forward's cost (``costs.StepCosts``), decode time."""
+        rate (``speculation_check.SpeculationCheck``), the forward's cost (``costs.StepCosts``), decode time."""
         t0, t1, t2 = times
         reqs, drafts, B = plan.reqs, plan.drafts, len(plan.reqs)
         draft_s, verify_s = t1 - t0, t2 - t1

@@ -98,7 +98,7 @@ class StepRecord:
     verify_s: float
     predicted: float | None = None  # the yield predictor's estimate, when a policy used one
     capped: bool = False  # the batch's draft sizing cut this draft (engine/costs.py:batch_lengths)
-    # SpeculationCheck's arm for this batch step (engine/costs.py): "policy", "cache" (the cache
+    # SpeculationCheck's arm for this batch step (engine/speculation_check.py): "policy", "cache" (the cache
     # drafter's draft, no policy asked) or "plain" (no drafts); None for a lone request or no check
     arm: str | None = None
     # slim tier (VIA-SD, verification/tiered.py): draft tokens q' accepted, tokens q' supplied
