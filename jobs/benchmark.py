@@ -165,7 +165,13 @@ def main() -> None:
         "--where-servers",
         nargs="+",
         default=None,
-        help="where: our servers over HTTP, drafter[@torch_threads] (default: none hvd)",
+        help="where: our servers over HTTP, drafter[@torch_threads][/stream_interval] (default: none hvd)",
+    )
+    ap.add_argument(
+        "--where-vllm",
+        nargs="+",
+        default=None,
+        help="where: vLLM-CPU's servers over HTTP, method[/stream_interval] (none, suffix; default: none suffix)",
     )
     ap.add_argument(
         "--concurrency",

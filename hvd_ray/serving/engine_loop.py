@@ -46,6 +46,12 @@ def deliver(stream: Stream, payload: dict) -> None:
         pass
 
 
+def _merged(first: dict, then: dict) -> dict:
+    """Two token events of one request as one (``then``'s finish fields)."""
+    lps = None if first["logprobs"] is None or then["logprobs"] is None else first["logprobs"] + then["logprobs"]
+    return {**then, "tokens": first["tokens"] + then["tokens"], "logprobs": lps}
+
+
 def engine_failure(e: BaseException) -> dict:
     """The event every request in flight gets when its engine fails (its state is unknown)."""
     return {
@@ -60,9 +66,12 @@ def engine_failure(e: BaseException) -> dict:
 class EngineLoop:
     """Owns an Engine and runs ``step()`` on one thread while any request is unfinished."""
 
-    def __init__(self, engine, metrics: ReplicaMetrics | None = None):
+    def __init__(self, engine, metrics: ReplicaMetrics | None = None, stream_interval: int = 1):
         self.engine = engine
         self.metrics = metrics
+        self.stream_interval = stream_interval
+        self._held: dict[str, dict] = {}  # req_id -> tokens not yet delivered (stream_interval > 1)
+        self._started: set[str] = set()  # req_ids whose first tokens went out
         self._inbox: deque = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -187,6 +196,8 @@ class EngineLoop:
             queued, self._inbox = list(self._inbox), deque()
         streams = [entry[1] for entry in self._reqs.values()] + [it[4] for it in queued if it[0] == "add"]
         self._reqs.clear()
+        self._held.clear()
+        self._started.clear()
         for stream in streams:
             deliver(stream, engine_failure(e))
 
@@ -197,6 +208,8 @@ class EngineLoop:
         req, stream = entry
         if out.finish_reason == "error":  # the engine failed this request alone
             del self._reqs[out.req_id]
+            self._held.pop(out.req_id, None)
+            self._started.discard(out.req_id)
             self.failed += 1
             deliver(
                 stream,
@@ -216,8 +229,14 @@ class EngineLoop:
             "finish_reason": out.finish_reason,
             "logprobs": out.logprobs,
         }
+        if not out.finished and self.stream_interval > 1 and not self._hold(out.req_id, payload):
+            return
         if out.finished:
             del self._reqs[out.req_id]
+            self._started.discard(out.req_id)
+            held = self._held.pop(out.req_id, None)
+            if held is not None:
+                payload = _merged(held, payload)
             if out.finish_reason != "abort":
                 summary = req.stats.summary(len(req.output))
                 payload["stats"] = summary
@@ -242,6 +261,21 @@ class EngineLoop:
             else:
                 self.finished += 1
         deliver(stream, payload)
+
+    def _hold(self, req_id: str, payload: dict) -> bool:
+        """Whether ``payload`` goes out now: a request's first tokens at once, then every
+        ``stream_interval`` tokens (the finish always: ``_dispatch``); else it is held."""
+        if req_id not in self._started:
+            if payload["tokens"]:
+                self._started.add(req_id)
+            return True
+        held = self._held.pop(req_id, None)
+        merged = payload if held is None else _merged(held, payload)
+        if len(merged["tokens"]) >= self.stream_interval:
+            payload.update(merged)
+            return True
+        self._held[req_id] = merged
+        return False
 
     def _publish_queue(self) -> None:
         if self.metrics:

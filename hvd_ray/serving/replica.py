@@ -57,7 +57,7 @@ class ModelReplica(ReplicaFront):
         self.max_len, self.reserved = self.engine.max_len, self.engine.num_draft_tokens
         self.vocab_size = self.model.cfg.vocab_size
         self._start_metrics()
-        self.loop = EngineLoop(self.engine, self.metrics)
+        self.loop = EngineLoop(self.engine, self.metrics, cfg.stream_interval)
         logger.info(
             "ModelReplica ready: model=%s dtype=%s drafter=%s max_batch=%d max_len=%d threads=%d",
             cfg.model,
