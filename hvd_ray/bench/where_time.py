@@ -11,7 +11,10 @@ runs per run of consecutive slots over the run's longest row, so it also counts 
 against the keys the rows really hold.
 
 Over HTTP the engine's busy share of the wall time (``/stats`` ``decode_s``) says how much of it the
-serving path (Serve's proxy, the ingress, streaming, the client itself on the same cores) took."""
+serving path (Serve's proxy, the ingress, streaming, the client itself on the same cores) took.
+
+One concept, this benchmark: its in-process timing hooks, the two kinds of server it drives and its
+report stay together (~480 lines)."""
 
 from __future__ import annotations
 
