@@ -187,5 +187,10 @@ def second_token_pvalue(reqs, exact) -> tuple[float, list[int]]:
     obs = [counts.get(v, 0) for v in range(V)]
     exp = (exact * n).tolist()
     keep = [i for i, e in enumerate(exp) if e >= 5]
-    other_o, other_e = n - sum(obs[i] for i in keep), n - sum(exp[i] for i in keep)
-    return chisquare([obs[i] for i in keep] + [other_o], [exp[i] for i in keep] + [other_e]).pvalue, obs
+    o, e = [obs[i] for i in keep], [exp[i] for i in keep]
+    other_o, other_e = n - sum(o), n - sum(e)
+    if other_e >= 5:
+        o, e = o + [other_o], e + [other_e]
+    else:  # the pooled rest is too small a bin itself (0 where the kept bins hold all the mass): merge it
+        o[-1], e[-1] = o[-1] + other_o, e[-1] + other_e
+    return chisquare(o, e).pvalue, obs

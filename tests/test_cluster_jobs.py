@@ -35,6 +35,16 @@ def _job(name: str):
     return mod
 
 
+def _wait_idle(cpus: float, timeout_s: float = 60.0) -> None:
+    """Until the cluster has ``cpus`` CPUs free: a finished stage's actors release theirs
+    asynchronously, and the next stage's actors would otherwise pack onto the nodes already free."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < cpus and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """(cluster, head node id, worker node ids); this process is the driver, on the head."""
@@ -100,9 +110,11 @@ def test_collect_label_and_train_spread_over_two_nodes_on_a_storage_uri(cluster,
     assert read_traces(traces, ["prompt_id"]).column("prompt_id").to_pylist() == _ids(n)
 
     tick(f"collected: {s['rows_by_node']}")
+    _wait_idle(2.0)  # the collectors' CPUs are back before the labelers are placed
     label = _job("label_traces")
     args = ["--traces", traces, "--out", labels, "--chunk", "2", "--actors", "2"]  # layerskip labels: the model
-    meta = label.run(label.parse_args([*args, "--num-cpus", "0.5", "--address", c.address]))
+    # 0.75 CPU a labeler: one fits a 1-CPU node beside a quarter-CPU write task, two never share one
+    meta = label.run(label.parse_args([*args, "--num-cpus", "0.75", "--address", c.address]))
     assert meta["traces"] == n and meta["rows"] > 0
     by_node = Counter()
     for w in meta["workers"]:
