@@ -229,7 +229,7 @@ class EngineLoop:
             "finish_reason": out.finish_reason,
             "logprobs": out.logprobs,
         }
-        if not out.finished and self.stream_interval > 1 and not self._hold(out.req_id, payload):
+        if not out.finished and self.stream_interval > 1 and not self._due(out.req_id, payload):
             return
         if out.finished:
             del self._reqs[out.req_id]
@@ -262,7 +262,7 @@ class EngineLoop:
                 self.finished += 1
         deliver(stream, payload)
 
-    def _hold(self, req_id: str, payload: dict) -> bool:
+    def _due(self, req_id: str, payload: dict) -> bool:
         """Whether ``payload`` goes out now: a request's first tokens at once, then every
         ``stream_interval`` tokens (the finish always: ``_dispatch``); else it is held."""
         if req_id not in self._started:
